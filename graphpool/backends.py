@@ -1,0 +1,94 @@
+"""Two backends behind one small interface: real CUDA graphs, and an eager twin.
+
+The twin "captures" by remembering the function and "replays" by calling it on the same static views,
+so every rule of the pool (routing, padding, buffers, slicing, errors) runs on a CPU in CI. It is no
+substitute for the CUDA backend: only that one proves capture, replay and memory sharing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Captured = Any  # torch.cuda.CUDAGraph for the CUDA backend, the step function itself for the twin
+
+
+class EagerBackend:
+    """Runs steps eagerly; works on any device."""
+
+    name = "eager"
+    static_outputs = False  # every replay returns fresh tensors
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def warmup(self, fn: Callable[[], Any]) -> None:
+        fn()
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
+        return fn, fn(), 0
+
+    def replay(self, captured: Captured) -> Any:
+        return captured()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaGraphBackend:
+    """Captures ``torch.cuda.CUDAGraph``s on one side stream into one shared memory pool."""
+
+    name = "cuda"
+    static_outputs = True  # outputs live in graph memory at fixed addresses
+
+    def __init__(self, device: torch.device, memory_pool: Any = None):
+        if device.type != "cuda":
+            raise ValueError(f"the CUDA graph backend needs a CUDA device, got {device}; use backend='eager'")
+        self.device = device
+        # One pool for every graph: later (smaller) captures reuse blocks the earlier ones freed.
+        self.memory_pool = memory_pool if memory_pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def warmup(self, fn: Callable[[], Any]) -> None:
+        # Warm up on the capture stream, so lazy initialisation (cuBLAS handles, Triton compiles,
+        # allocator blocks) happens outside the graph, where it is allowed.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
+        """Capture ``fn``; returns the graph, its static outputs, and the bytes the pool grew by."""
+        self.synchronize()
+        reserved = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.memory_pool)
+            try:
+                out = fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # the capture is already invalid; the first error is the one to report
+                    pass
+                raise
+            graph.capture_end()
+        self.synchronize()
+        return graph, out, torch.cuda.memory_reserved(self.device) - reserved
+
+    def replay(self, captured: Captured) -> Any:
+        captured.replay()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def make_backend(name: str, device: torch.device, memory_pool: Any = None) -> EagerBackend | CudaGraphBackend:
+    """``"auto"`` picks CUDA graphs on a CUDA device and the eager twin elsewhere."""
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "eager"
+    if name == "cuda":
+        return CudaGraphBackend(device, memory_pool)
+    if name == "eager":
+        return EagerBackend(device)
+    raise ValueError(f"backend must be 'auto', 'cuda' or 'eager', got {name!r}")

@@ -1,0 +1,50 @@
+"""The static input buffers every graph reads: one allocation per declared input.
+
+Each input gets one tensor sized for the largest (mode, bs) key, so all graphs of all modes read and
+write the same addresses; a key's views are prefixes of those tensors (``[:rows]``) computed once here.
+Beside each buffer lies one *fill row* holding the input's padding value, which the stager copies into
+padded rows.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .modes import GraphKey, KeyTable, StepInput
+
+
+class StaticBuffers:
+    """One static tensor per input, its fill row, and precomputed per-key views."""
+
+    def __init__(self, specs: Sequence[StepInput], keys: KeyTable, device: torch.device):
+        names = [s.name for s in specs]
+        if not specs or len(set(names)) != len(names):
+            raise ValueError(f"GraphPool needs a non-empty list of uniquely named StepInputs, got {names}")
+        self.specs = tuple(specs)
+        self.full: dict[str, torch.Tensor] = {}
+        self.fill_rows: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            rows = keys.max_rows(spec)
+            self.fill_rows[spec.name] = torch.full((1, *spec.trailing), spec.fill, dtype=spec.dtype, device=device)
+            # Start as padding: any row a graph reads before a step writes it holds a harmless value.
+            self.full[spec.name] = self.fill_rows[spec.name].expand(rows, *spec.trailing).clone()
+        self.views: dict[GraphKey, dict[str, torch.Tensor]] = {}
+        for key in keys.keys:
+            tps = keys.modes[key.mode].tokens_per_seq
+            self.views[key] = {s.name: self.full[s.name][: s.rows(key.bs, tps)] for s in specs}
+
+    def row_bytes(self, spec: StepInput) -> int:
+        buf = self.full[spec.name]
+        return buf[0].numel() * buf.element_size()
+
+    def kernel_meta(self) -> torch.Tensor:
+        """``[n_inputs, 4]`` int64 on the buffers' device: dst_ptr, fill_ptr, row_bytes, per_token."""
+        rows = [[self.full[s.name].data_ptr(), self.fill_rows[s.name].data_ptr(), self.row_bytes(s),
+                 int(s.per == "token")] for s in self.specs]
+        device = next(iter(self.full.values())).device
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.full.values())

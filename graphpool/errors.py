@@ -1,0 +1,50 @@
+"""Typed errors of graphpool.
+
+Every error the pool raises derives from :class:`GraphPoolError`. Input errors are raised by
+validation, before anything touches the device, so a rejected step leaves the pool exactly as it was.
+Messages name the bad value, the rule it broke and the fix.
+"""
+from __future__ import annotations
+
+
+class GraphPoolError(Exception):
+    """Base class of every error raised by graphpool."""
+
+
+class UnknownModeError(GraphPoolError, KeyError):
+    """A step named a mode the pool was not built with."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingInputError(GraphPoolError, TypeError):
+    """A step left out a declared input, or passed one the pool does not know."""
+
+
+class InputRowsError(GraphPoolError, ValueError):
+    """An input's row count does not fit the mode (rows = bs x tokens_per_seq for per-token inputs)."""
+
+
+class InputDtypeError(GraphPoolError, TypeError):
+    """An input has a different dtype from its declaration."""
+
+
+class InputDeviceError(GraphPoolError, ValueError):
+    """An input lives on another device than the pool, or is not contiguous."""
+
+
+class InputShapeError(GraphPoolError, ValueError):
+    """An input's trailing shape (after the row dimension) differs from its declaration."""
+
+
+class BatchTooLargeError(GraphPoolError, ValueError):
+    """The batch is larger than the largest captured size and the pool was told to raise on misses."""
+
+
+class NotCapturedError(GraphPoolError, RuntimeError):
+    """A step was run before :meth:`GraphPool.capture` finished."""
+
+
+class CaptureError(GraphPoolError, RuntimeError):
+    """Capture failed; the pool holds no graphs and refuses to run until captured again."""

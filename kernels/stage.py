@@ -1,0 +1,85 @@
+"""Stage every input of a step into its static buffer and pad the tail, in one kernel launch.
+
+The host does not copy anything. For each step it writes one row of a small pinned *ring table*:
+``[real_bs, src_ptr_0, src_ptr_1, ...]``. The staging kernel, captured as the first node of each graph,
+reads the row chosen by a device-side step counter, copies the real rows of every input from its source
+pointer into the static buffer, and writes each input's fill row into the padded rows. A second one-thread
+kernel then advances the counter and publishes it to pinned memory (``done``), so the host knows which
+ring rows the GPU has consumed and never overwrites a row that a queued replay has not read yet.
+
+Everything is copied as bytes, so one launch serves any mix of dtypes (int32, int64, float32, bfloat16,
+...) and trailing shapes. The static metadata of each input is one row of ``meta``:
+``[dst_ptr, fill_ptr, row_bytes, per_token]`` (``fill_ptr`` points at one row holding the fill value).
+
+File layout: kernels, launchers with their asserts, then the plain-torch reference (the CPU path and
+the test oracle).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+META_COLUMNS = 4  # dst_ptr, fill_ptr, row_bytes, per_token
+STAGE_BLOCK = 1024
+
+
+@triton.jit
+def _stage_kernel(ring_addr, step_ptr, meta_ptr, padded_bs, tokens_per_seq, ring_slots, ring_width,
+                  BLOCK: tl.constexpr):
+    which = tl.program_id(0)   # which input
+    block = tl.program_id(1)   # which BLOCK-byte chunk of it
+    slot = tl.load(step_ptr) % ring_slots
+    row = ring_addr.to(tl.pointer_type(tl.int64)) + slot * ring_width
+    real_bs = tl.load(row)
+    src = tl.load(row + 1 + which).to(tl.pointer_type(tl.uint8))
+    meta = meta_ptr + which * 4
+    dst = tl.load(meta).to(tl.pointer_type(tl.uint8))
+    fill = tl.load(meta + 1).to(tl.pointer_type(tl.uint8))
+    row_bytes = tl.load(meta + 2)
+    rows_per_seq = tl.where(tl.load(meta + 3) != 0, tokens_per_seq, 1)
+    real_bytes = real_bs * rows_per_seq * row_bytes
+    total_bytes = padded_bs * rows_per_seq * row_bytes
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < total_bytes
+    real = offs < real_bytes
+    from_src = tl.load(src + offs, mask=inside & real, other=0)
+    from_fill = tl.load(fill + offs % row_bytes, mask=inside & (offs >= real_bytes), other=0)
+    tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+
+
+@triton.jit
+def _advance_kernel(step_ptr, done_addr):
+    step = tl.load(step_ptr) + 1
+    tl.store(step_ptr, step)
+    tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
+
+
+def stage_launch(ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, done: torch.Tensor,
+                 padded_bs: int, tokens_per_seq: int, max_bytes: int) -> None:
+    """Launch the staging kernel and the counter advance (both capturable into a CUDA graph).
+
+    Args:
+        ring: int64 ``[slots, 1 + n_inputs]`` ring table, host-pinned on CUDA (read by the GPU at run time).
+        step: int64 ``[1]`` device counter of executed steps; row ``step % slots`` is read.
+        meta: int64 ``[n_inputs, 4]`` on the device: ``dst_ptr, fill_ptr, row_bytes, per_token``.
+        done: int64 ``[1]`` host-pinned: the advance kernel writes the new step count there.
+        padded_bs: the batch size of the graph this launch belongs to.
+        tokens_per_seq: rows per sequence of per-token inputs in this mode.
+        max_bytes: the largest ``padded rows x row_bytes`` over the inputs (sizes the grid).
+    """
+    n_inputs = meta.shape[0]
+    assert ring.dtype == torch.int64 and ring.dim() == 2 and ring.shape[1] == 1 + n_inputs, ring.shape
+    assert ring.is_contiguous() and meta.is_contiguous() and meta.shape[1] == META_COLUMNS, meta.shape
+    assert step.dtype == torch.int64 and done.dtype == torch.int64 and padded_bs >= 1 and tokens_per_seq >= 1
+    grid = (n_inputs, triton.cdiv(max_bytes, STAGE_BLOCK))
+    _stage_kernel[grid](ring.data_ptr(), step, meta, padded_bs, tokens_per_seq, ring.shape[0], ring.shape[1],
+                        BLOCK=STAGE_BLOCK)
+    _advance_kernel[(1,)](step, done.data_ptr())
+
+
+def stage_reference(dst: torch.Tensor, src: torch.Tensor, fill_row: torch.Tensor) -> None:
+    """Plain-torch staging of one input: ``dst[:n] = src``, every row of ``dst[n:]`` = ``fill_row``."""
+    n = src.shape[0]
+    dst[:n].copy_(src)
+    dst[n:].copy_(fill_row.expand_as(dst[n:]))

@@ -26,7 +26,7 @@ class EagerBackend:
         fn()
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
-        return fn, fn(), 0
+        return fn, None, 0  # nothing to record; the warm-up already ran fn once
 
     def replay(self, captured: Captured) -> Any:
         return captured()

@@ -68,7 +68,8 @@ class _Entry:
     batch: StepBatch
     stats: KeyStats
     graph: Any = None
-    stage_graph: Any = None  # set when staging runs before `prepare`, outside the main graph
+    stage_graph: Any = None  # ring staging as its own graph, replayed before `prepare`
+    stages_in_graph: bool = False  # ring staging is the first node of `graph`
     sliced: list | None = None  # sliced[real_bs] -> outputs (static-output backends only)
 
 
@@ -99,6 +100,9 @@ class GraphPool:
         on_miss: a batch larger than the largest captured size runs eagerly (``"eager"``, counted in
             ``stats.misses``) or raises :class:`BatchTooLargeError` (``"raise"``).
         memory_pool: a graph memory pool handle to share (e.g. SGLang's global pool); default: a new one.
+        staging: how inputs reach the static buffers: ``"ring"`` (a Triton kernel in the graph reads source
+            pointers from a pinned ring table: no extra launch), ``"torch"`` (a slice copy and a tail fill
+            per input, from Python), or ``"auto"`` (ring for CUDA graphs, torch for the eager twin).
         ring_slots: how many steps the host may run ahead of the GPU before :meth:`run` waits.
 
     .. warning:: read the graph-safety rules in this module's docstring before writing a step function.
@@ -106,7 +110,7 @@ class GraphPool:
 
     def __init__(self, modes: Sequence[Mode], inputs: Sequence[StepInput], batch_sizes: Sequence[int],
                  device: torch.device | str | None = None, backend: str = "auto", on_miss: str = "eager",
-                 memory_pool: Any = None, ring_slots: int = 64):
+                 memory_pool: Any = None, staging: str = "auto", ring_slots: int = 64):
         if on_miss not in ("eager", "raise"):
             raise ValueError(f"on_miss must be 'eager' or 'raise', got {on_miss!r}")
         if device is None:
@@ -119,8 +123,12 @@ class GraphPool:
         self.backend = make_backend(backend, self.device, memory_pool)
         self.on_miss = on_miss
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
-        self._ring = RingStager(self.buffers, self.keys, self.device, ring_slots) \
-            if isinstance(self.backend, CudaGraphBackend) else None
+        if staging == "auto":
+            staging = "ring" if isinstance(self.backend, CudaGraphBackend) else "torch"
+        if staging not in ("ring", "torch"):
+            raise ValueError(f"staging must be 'auto', 'ring' or 'torch', got {staging!r}")
+        self._ring = RingStager(self.buffers, self.keys, self.device, self.backend.synchronize, ring_slots) \
+            if staging == "ring" else None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._specs = self.buffers.specs
         self._names = frozenset(s.name for s in self._specs)
@@ -193,9 +201,9 @@ class GraphPool:
     def _capture_key(self, key: GraphKey, step_fn: StepFn, prepare: PrepareFn | None, warmup: int) -> _Entry:
         mode = self.keys.modes[key.mode]
         batch = StepBatch(mode, key.bs, self.keys.num_tokens(key), self.buffers.views[key])
-        entry = _Entry(key, batch, KeyStats())
         ring = self._ring
         in_graph = ring is not None and prepare is None
+        entry = _Entry(key, batch, KeyStats(), stages_in_graph=in_graph)
 
         def stage_and_step() -> Outputs:
             if in_graph:
@@ -269,7 +277,7 @@ class GraphPool:
         else:
             ring.write(real_bs, ordered)
             if entry.stage_graph is not None:
-                entry.stage_graph.replay()
+                self.backend.replay(entry.stage_graph)
                 ring.issued += 1
         return Step(spec_mode, real_bs, entry.batch, entry, ordered)
 
@@ -287,10 +295,12 @@ class GraphPool:
         stats.padded_rows += (entry.batch.bs - real_bs) * step.mode.tokens_per_seq
         if entry.sliced is not None:
             entry.graph.replay()
-            if entry.stage_graph is None:
+            if entry.stages_in_graph:
                 self._ring.issued += 1
             return entry.sliced[real_bs]
         out = self.backend.replay(entry.graph)
+        if entry.stages_in_graph:
+            self._ring.issued += 1
         tps = step.mode.tokens_per_seq
         return slice_outputs(out, entry.batch.num_tokens, entry.batch.bs, real_bs * tps, real_bs)
 

@@ -14,7 +14,7 @@ if the host ever gets ``slots`` steps ahead it waits for the stream.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,8 +34,9 @@ def stage_with_torch(buffers: StaticBuffers, key: GraphKey, inputs: Sequence[tor
 class RingStager:
     """Host side of in-graph staging: the pinned ring table, the step counter, and the kernel launch."""
 
-    def __init__(self, buffers: StaticBuffers, keys: KeyTable, device: torch.device, slots: int = 64):
-        self._buffers, self._keys, self.slots = buffers, keys, slots
+    def __init__(self, buffers: StaticBuffers, keys: KeyTable, device: torch.device,
+                 synchronize: Callable[[], None], slots: int = 64):
+        self._buffers, self._keys, self.slots, self._synchronize = buffers, keys, slots, synchronize
         width = 1 + len(buffers.specs)
         pinned = device.type == "cuda"
         self.ring = torch.zeros(slots, width, dtype=torch.int64, pin_memory=pinned)
@@ -52,7 +53,7 @@ class RingStager:
     def write(self, real_bs: int, inputs: Sequence[torch.Tensor]) -> None:
         """Publish this step's row count and source pointers for the next staging kernel to execute."""
         if self.issued - int(self._done[0]) >= self.slots:
-            torch.cuda.current_stream().synchronize()  # the row we would overwrite may still be unread
+            self._synchronize()  # the row we would overwrite may still be unread by a queued step
         self._row.pack_into(self._ring_bytes, (self.issued % self.slots) * self._row.size,
                             real_bs, *[t.data_ptr() for t in inputs])
 

@@ -1,8 +1,16 @@
 """Shared test setup: the `gpu` marker skips without CUDA; devices to run the pool tests on."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before any
+# kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,280 @@
+"""The pool against an eager oracle: routing, padding, buffers, slicing, errors, on both backends.
+
+Every test runs on the CPU with the eager twin (CI) and on CUDA with real graphs (`-m gpu`, the H200).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import graphpool as gp
+from graphpool import GraphKey
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# (device, staging): the eager twin with torch staging, the twin with the ring kernel (Triton's interpreter
+# on CPU), and real CUDA graphs with the ring kernel as each graph's first node.
+SETUPS = [("cpu", "torch"), ("cpu", "ring"), pytest.param(("cuda", "auto"), marks=pytest.mark.gpu)]
+SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+VERIFY_TOKENS = 16
+NUM_SLOTS = 4096
+DUMMY_SLOT = 0  # padded rows write the KV stand-in here; real rows never use it
+FEAT = 3
+
+
+def make_inputs() -> list[gp.StepInput]:
+    return [
+        gp.StepInput("input_ids", torch.int64, "token", fill=0),
+        gp.StepInput("positions", torch.int64, "token", fill=0),
+        gp.StepInput("out_cache_loc", torch.int64, "token", fill=DUMMY_SLOT),
+        gp.StepInput("features", torch.float32, "token", fill=0.5, trailing=(FEAT,)),
+        gp.StepInput("seq_lens", torch.int32, "seq", fill=1),
+        gp.StepInput("req_pool_indices", torch.int64, "seq", fill=0),
+    ]
+
+
+class ToyStep:
+    """A step that mixes per-token and per-sequence inputs and writes a KV-cache stand-in in place."""
+
+    def __init__(self, device: str):
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.randn(FEAT, 5, generator=g).to(device)
+        self.cache = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
+
+    def __call__(self, batch: gp.StepBatch) -> dict[str, torch.Tensor]:
+        x = batch.inputs
+        tps = batch.mode.tokens_per_seq
+        per_seq = x["seq_lens"].float() * 0.25 + x["req_pool_indices"].float()
+        token_term = (x["input_ids"] * 7 + x["positions"]).float()
+        hidden = x["features"] @ self.weight + token_term[:, None] + per_seq.repeat_interleave(tps)[:, None]
+        self.cache.index_copy_(0, x["out_cache_loc"], hidden[:, 0])
+        logits = torch.tanh(hidden)
+        pooled = logits.view(batch.bs, tps, -1).sum(1) + per_seq[:, None]
+        return {"logits": logits, "pooled": pooled}
+
+
+def random_step(mode: gp.Mode, bs: int, device: str, rng: random.Random) -> dict[str, torch.Tensor]:
+    tokens = bs * mode.tokens_per_seq
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    slots = torch.randperm(NUM_SLOTS - 1, generator=g)[:tokens] + 1  # distinct, never the dummy slot
+    data = {
+        "input_ids": torch.randint(0, 50_000, (tokens,), generator=g),
+        "positions": torch.randint(0, 4096, (tokens,), generator=g),
+        "out_cache_loc": slots,
+        "features": torch.randn(tokens, FEAT, generator=g),
+        "seq_lens": torch.randint(1, 4096, (bs,), generator=g, dtype=torch.int32),
+        "req_pool_indices": torch.randint(0, 256, (bs,), generator=g),
+    }
+    return {k: v.to(device) for k, v in data.items()}
+
+
+def eager_reference(step: ToyStep, mode: gp.Mode, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    bs = inputs["seq_lens"].shape[0]
+    return step(gp.StepBatch(mode, bs, bs * mode.tokens_per_seq, inputs, captured=False))
+
+
+def build(device: str, **kwargs) -> tuple[gp.GraphPool, ToyStep]:
+    modes = [gp.Mode("decode", 1), gp.Mode("verify", VERIFY_TOKENS)]
+    pool = gp.GraphPool(modes, make_inputs(), SIZES, device=device, **kwargs)
+    step = ToyStep(device)
+    pool.capture(step, progress=False)
+    return pool, step
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=lambda p: "-".join(p))
+def built(request) -> tuple[gp.GraphPool, ToyStep, str]:
+    device, staging = request.param
+    pool, step = build(device, staging=staging)
+    return pool, step, device
+
+
+def check_step(pool: gp.GraphPool, step: ToyStep, device: str, mode_name: str, bs: int,
+               rng: random.Random) -> None:
+    mode = pool.keys.modes[mode_name]
+    inputs = random_step(mode, bs, device, rng)
+    out = pool.run(mode_name, copy=True, **inputs)
+    got_cache = step.cache.clone()
+    want = eager_reference(step, mode, inputs)  # rewrites the same slots with the same values
+    for name in ("logits", "pooled"):
+        torch.testing.assert_close(out[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{mode_name} bs={bs} {name}")
+    loc = inputs["out_cache_loc"]
+    torch.testing.assert_close(got_cache[loc], step.cache[loc], rtol=1e-5, atol=1e-5)
+    padded = pool.route(mode_name, bs)
+    if padded is None:
+        return
+    views = pool.buffers.views[GraphKey(mode_name, padded)]
+    for spec in pool.buffers.specs:
+        rows = spec.rows(bs, mode.tokens_per_seq)
+        assert torch.equal(views[spec.name][:rows], inputs[spec.name]), (mode_name, bs, spec.name)
+        tail = views[spec.name][rows:]
+        assert torch.all(tail == spec.fill), f"{mode_name} bs={bs}: padded rows of {spec.name} are {tail}"
+
+
+def test_every_batch_size_of_both_modes_then_random_steps(built):
+    pool, step, device = built
+    rng = random.Random(1234)
+    steps = [(m, bs) for m in ("decode", "verify") for bs in range(1, SIZES[-1] + 1)]
+    steps += [(rng.choice(["decode", "verify"]), rng.randint(1, SIZES[-1])) for _ in range(520)]
+    for mode_name, bs in steps:
+        check_step(pool, step, device, mode_name, bs, rng)
+    assert len(steps) >= 500
+    hits = pool.stats.replays
+    assert hits >= len(steps) and not pool.stats.misses
+    assert all(s.replays > 0 for s in pool.stats.keys.values()), "every graph was used"
+
+
+def test_outputs_are_graph_views_unless_copied(built):
+    pool, step, device = built
+    rng = random.Random(7)
+    first = pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"]
+    kept = first.clone()
+    copied = pool.run("decode", copy=True, **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"]
+    if pool.backend.static_outputs:  # graph memory: the second run overwrote the first result in place
+        assert torch.equal(first, copied) and not torch.equal(first, kept)
+    pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))
+    assert not torch.equal(copied, pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"])
+
+
+def test_miss_runs_eagerly_and_is_counted(built):
+    pool, step, device = built
+    rng = random.Random(3)
+    before = sum(pool.stats.misses.values())
+    for mode_name in ("decode", "verify"):
+        check_step(pool, step, device, mode_name, SIZES[-1] + 5, rng)
+    assert sum(pool.stats.misses.values()) == before + 2
+    assert pool.stats.misses[f"verify: bs > {SIZES[-1]}"] >= 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_miss_raises_when_configured(device):
+    pool, step = build(device, on_miss="raise")
+    rng = random.Random(5)
+    with pytest.raises(gp.BatchTooLargeError, match=r"batch size 40 is larger than the largest captured size 32"):
+        pool.run("decode", **random_step(pool.keys.modes["decode"], 40, device, rng))
+    check_step(pool, step, device, "decode", 32, rng)
+
+
+def test_typed_errors_then_next_step_exact(built):
+    pool, step, device = built
+    rng = random.Random(99)
+    verify, decode = pool.keys.modes["verify"], pool.keys.modes["decode"]
+    good = random_step(verify, 10, device, rng)
+
+    with pytest.raises(gp.UnknownModeError, match=r"unknown mode 'draft'.*\['decode', 'verify'\]"):
+        pool.run("draft", **good)
+
+    # The crash this project grew from: a plain-decode batch (1 token per sequence) sent to a verify graph.
+    plain = random_step(decode, 10, device, rng)
+    with pytest.raises(gp.InputRowsError, match=r"mode 'verify' takes 16 .*'input_ids' needs 10 x 16 = 160 rows"
+                                                r".*got 10.*fit mode 'decode'"):
+        pool.run("verify", **plain)
+    short = dict(good, out_cache_loc=good["out_cache_loc"][:2])
+    with pytest.raises(gp.InputRowsError, match=r"'out_cache_loc' needs 10 x 16 = 160 rows .* got 2"):
+        pool.run("verify", **short)
+
+    with pytest.raises(gp.InputDtypeError, match=r"'seq_lens' has dtype torch.int64, declared torch.int32"):
+        pool.run("verify", **dict(good, seq_lens=good["seq_lens"].long()))
+    with pytest.raises(gp.InputShapeError, match=r"'features' has shape \(160, 4\).*trailing shape must be \(3,\)"):
+        pool.run("verify", **dict(good, features=torch.zeros(160, 4, device=device)))
+    with pytest.raises(gp.InputDeviceError, match=r"'features' is not contiguous"):
+        pool.run("verify", **dict(good, features=torch.zeros(FEAT, 160, device=device).t()))
+    with pytest.raises(gp.MissingInputError, match=r"missing inputs \['positions'\], unknown inputs \['pos'\]"):
+        pool.run("verify", **{("pos" if k == "positions" else k): v for k, v in good.items()})
+    if device == "cuda":
+        with pytest.raises(gp.InputDeviceError, match=r"'positions' is on cpu, the pool on cuda:0"):
+            pool.run("verify", **dict(good, positions=good["positions"].cpu()))
+    for mode_name, bs in (("verify", 10), ("decode", 10), ("verify", 1)):
+        check_step(pool, step, device, mode_name, bs, rng)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_before_capture_and_failed_capture(device):
+    modes = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
+    pool = gp.GraphPool(modes, make_inputs(), [1, 2, 4], device=device)
+    rng = random.Random(0)
+    inputs = random_step(modes[0], 2, device, rng)
+    with pytest.raises(gp.NotCapturedError, match=r"call pool.capture\(step_fn\) before pool.run"):
+        pool.run("decode", **inputs)
+
+    step = ToyStep(device)
+
+    def breaks_on_small_verify(batch: gp.StepBatch):
+        if batch.mode.name == "verify" and batch.bs == 1:  # captured after the larger keys
+            raise RuntimeError("kernel not available for this shape")
+        return step(batch)
+
+    with pytest.raises(gp.CaptureError, match=r"mode 'verify', bs 1\) failed: RuntimeError: kernel not available"
+                                              r"(.|\n)*No graph of this pool was kept(.|\n)*1\. run the step eagerly"):
+        pool.capture(breaks_on_small_verify, progress=False)
+    assert not pool.captured and not pool.stats.keys
+    with pytest.raises(gp.CaptureError, match=r"last capture failed \(RuntimeError: kernel not available"):
+        pool.run("decode", **inputs)
+    pool.capture(step, progress=False)  # a good capture makes the pool usable again
+    check_step(pool, step, device, "verify", 3, rng)
+    check_step(pool, step, device, "decode", 2, rng)
+
+
+def test_capture_order_and_routing_table():
+    keys = gp.modes.KeyTable([gp.Mode("decode", 1), gp.Mode("verify", 16, batch_sizes=(1, 2, 8))], [1, 4, 64])
+    order = keys.capture_order()
+    assert order[0] == GraphKey("verify", 8) and order[-1] == GraphKey("decode", 1)
+    tokens = [keys.num_tokens(k) for k in order]
+    assert tokens == sorted(tokens, reverse=True)
+    assert [keys.route("verify", b) for b in range(1, 10)] == [1, 2, 8, 8, 8, 8, 8, 8, None]
+    assert [keys.route("decode", b) for b in (1, 2, 4, 5, 64, 65)] == [1, 4, 4, 64, 64, None]
+
+
+def test_bad_declarations_are_refused():
+    with pytest.raises(ValueError, match="tokens_per_seq must be an int >= 1"):
+        gp.Mode("verify", 0)
+    with pytest.raises(ValueError, match="per must be 'token' or 'seq'"):
+        gp.StepInput("x", torch.int64, per="row")
+    with pytest.raises(ValueError, match="Mode names must be unique"):
+        gp.GraphPool([gp.Mode("a", 1), gp.Mode("a", 2)], make_inputs(), [1], device="cpu")
+    with pytest.raises(ValueError, match="batch sizes must be a non-empty list"):
+        gp.GraphPool([gp.Mode("a", 1)], make_inputs(), [], device="cpu")
+    with pytest.raises(ValueError, match="on_miss must be"):
+        gp.GraphPool([gp.Mode("a", 1)], make_inputs(), [1], device="cpu", on_miss="skip")
+
+
+def test_policy_hysteresis():
+    policy = gp.SpeculationPolicy(off_above=16, on_at_or_below=12)
+    sizes = [1, 8, 16, 17, 16, 13, 12, 13, 17, 40, 12, 1]
+    got = [policy.choose(b) for b in sizes]
+    assert got == ["verify"] * 3 + ["decode"] * 3 + ["verify"] * 2 + ["decode"] * 2 + ["verify"] * 2
+    assert policy.switches == 4
+    with pytest.raises(ValueError, match="on_at_or_below <= off_above"):
+        gp.SpeculationPolicy(off_above=4, on_at_or_below=8)
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda p: "-".join(p))
+def test_prepare_sees_staged_inputs_before_replay(setup):
+    """With a prepare hook, staging runs before it (outside the main graph), as attention metadata needs."""
+    device, staging = setup
+    modes = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
+    pool = gp.GraphPool(modes, make_inputs(), [2, 4, 8], device=device, staging=staging)
+    step = ToyStep(device)
+    metadata = torch.zeros(1, device=device)  # written outside the graph, read inside it
+    seen = []
+
+    def prepare(batch: gp.StepBatch, real_bs: int) -> None:
+        lens = batch.inputs["seq_lens"]
+        metadata.copy_(lens[:real_bs].float().sum())
+        seen.append((batch.mode.name, batch.bs, real_bs, bool((lens[real_bs:] == 1).all())))
+
+    def step_with_metadata(batch: gp.StepBatch):
+        out = step(batch)
+        return {"pooled": out["pooled"] + metadata}
+
+    pool.capture(step_with_metadata, prepare=prepare, progress=False)
+    rng = random.Random(11)
+    for mode_name, bs in [("verify", 3), ("decode", 5), ("verify", 8), ("decode", 1), ("verify", 11)]:
+        seen.clear()
+        mode = pool.keys.modes[mode_name]
+        inputs = random_step(mode, bs, device, rng)
+        got = pool.run(mode_name, copy=True, **inputs)["pooled"]
+        want = eager_reference(step, mode, inputs)["pooled"] + inputs["seq_lens"].float().sum()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+        padded = pool.route(mode_name, bs) or bs
+        assert seen == [(mode_name, padded, bs, True)]

@@ -304,6 +304,15 @@ class GraphPool:
         tps = step.mode.tokens_per_seq
         return slice_outputs(out, entry.batch.num_tokens, entry.batch.bs, real_bs * tps, real_bs)
 
+    def graph(self, mode: str, bs: int) -> Any:
+        """The captured graph object of key (mode, bs) (a ``torch.cuda.CUDAGraph`` on the CUDA backend),
+        for benchmarks and debugging: replaying it directly skips staging and slicing."""
+        table = self._entries.get(self.keys.mode(mode).name, [])
+        entry = table[bs] if 0 < bs < len(table) else None
+        if entry is None or entry.key.bs != bs:
+            raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self.keys.sizes[mode]}")
+        return entry.graph
+
     def can_run(self, mode: str, real_bs: int) -> bool:
         """Whether a captured graph serves ``real_bs`` sequences of ``mode``."""
         return self.route(mode, real_bs) is not None

@@ -1,0 +1,23 @@
+"""The one small reference engine shared by the benchmarks, the demo and the SGLang test harness.
+
+Stable pieces (import them on their own):
+
+* :mod:`bench.engine.config`: :class:`ModelConfig` (``small()`` for the GPU, ``tiny()`` for CPU) and
+  :class:`SpecConfig`.
+* :mod:`bench.engine.model`: :class:`LlamaModel` (``forward(input_ids, positions, attn)``),
+  :func:`build_target`, :func:`build_draft`.
+* :mod:`bench.engine.kv_cache`: :class:`KVCache`, :class:`SlotAllocator`, :class:`ReqToTokenPool`
+  (plain tensors; slot 0 and row 0 are the dummies padded rows use).
+* :mod:`bench.engine.attention`: :class:`AttnMeta`, :class:`PagedAttention` (graph-safe), and the
+  longhand :func:`reference_attention` oracle.
+"""
+from .attention import AttnMeta, PagedAttention, attend, reference_attention
+from .config import ModelConfig, SpecConfig, dtype_from_name
+from .kv_cache import DUMMY_ROW, DUMMY_SLOT, KVCache, ReqToTokenPool, SlotAllocator
+from .model import AttentionFn, LlamaModel, build_draft, build_target
+
+__all__ = [
+    "AttnMeta", "PagedAttention", "attend", "reference_attention", "ModelConfig", "SpecConfig",
+    "dtype_from_name", "DUMMY_ROW", "DUMMY_SLOT", "KVCache", "ReqToTokenPool", "SlotAllocator",
+    "AttentionFn", "LlamaModel", "build_draft", "build_target",
+]

@@ -1,0 +1,107 @@
+"""Model and engine configuration for the reference engine.
+
+Two presets: :meth:`ModelConfig.small` is shaped like a small real model (the H200 benchmark),
+:meth:`ModelConfig.tiny` runs in well under a second per step on a CPU (CI and the eager-twin demo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+    Args:
+        vocab_size: tokens in the vocabulary.
+        hidden_size: width of the residual stream.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention; must divide ``num_heads``).
+        head_dim: width of one head.
+        intermediate_size: width of the SwiGLU MLP.
+        rope_theta: rotary embedding base.
+        residual_scale: scale of each layer's output projections at init. Random weights with a small
+            residual scale keep the logits dominated by the token embedding, so a cheap draft can
+            agree with the target often enough to be a useful speculative draft.
+        max_positions: the largest position the rotary table covers.
+    """
+
+    vocab_size: int = 4096
+    hidden_size: int = 2048
+    num_layers: int = 8
+    num_heads: int = 16
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    intermediate_size: int = 5632
+    rope_theta: float = 10000.0
+    residual_scale: float = 0.15
+    max_positions: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def small(cls) -> "ModelConfig":
+        """Shaped like a small real model: hidden 2048, 16 heads (4 KV heads), 8 layers, vocab 4096."""
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """A CPU-sized model for tests and the eager-twin demo."""
+        return cls(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   intermediate_size=128)
+
+    def with_layers(self, num_layers: int) -> "ModelConfig":
+        """The same shape with another layer count (the draft is a one-layer copy)."""
+        return replace(self, num_layers=num_layers)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: a draft tree of ``topk`` x ``steps`` candidates, verified as
+    ``num_draft_tokens`` tokens per sequence (the root, i.e. the last committed token, plus the best
+    ``num_draft_tokens - 1`` tree nodes by cumulative draft log-probability, as EAGLE does).
+
+    Args:
+        topk: children expanded per beam node, and beam width per level.
+        steps: draft forward passes per speculative step (tree depth).
+        num_draft_tokens: tokens per sequence in the verify step, root included.
+        draft_layers: layers of the draft model (a noisy copy of the target's first layers).
+        draft_noise: relative std of the Gaussian noise added to the draft's copied weights; larger
+            noise lowers the acceptance rate.
+    """
+
+    topk: int = 4
+    steps: int = 4
+    num_draft_tokens: int = 16
+    draft_layers: int = 1
+    draft_noise: float = 0.05
+
+    def __post_init__(self) -> None:
+        candidates = self.topk + (self.steps - 1) * self.topk * self.topk
+        if not 2 <= self.num_draft_tokens <= candidates + 1:
+            raise ValueError(f"num_draft_tokens must be in [2, {candidates + 1}] for topk={self.topk}, "
+                             f"steps={self.steps}; got {self.num_draft_tokens}")
+        if self.topk < 1 or self.steps < 1:
+            raise ValueError(f"topk and steps must be >= 1, got topk={self.topk}, steps={self.steps}")
+
+    @property
+    def window(self) -> int:
+        """Committed tokens the first draft pass re-reads: enough to cover one step's accepted tokens."""
+        return self.steps + 1
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``, ``"fp16"``, ``"fp32"``/``"float32"`` -> the torch dtype."""
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(table)}") from None

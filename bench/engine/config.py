@@ -26,6 +26,8 @@ class ModelConfig:
         residual_scale: scale of each layer's output projections at init. Random weights with a small
             residual scale keep the logits dominated by the token embedding, so a cheap draft can
             agree with the target often enough to be a useful speculative draft.
+        logit_scale: std of the logits at init. Real LMs are confident; a large scale gives random
+            weights peaked next-token distributions, so a draft tree grows deep rather than wide.
         max_positions: the largest position the rotary table covers.
     """
 
@@ -38,6 +40,7 @@ class ModelConfig:
     intermediate_size: int = 5632
     rope_theta: float = 10000.0
     residual_scale: float = 0.15
+    logit_scale: float = 8.0
     max_positions: int = 4096
 
     def __post_init__(self) -> None:

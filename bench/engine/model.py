@@ -127,7 +127,7 @@ def init_random_(model: LlamaModel, seed: int) -> LlamaModel:
     nudges the residual stream instead of replacing it (see :class:`ModelConfig`)."""
     cfg = model.cfg
     gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
-    scales = {"embed": 1.0, "lm_head": cfg.hidden_size ** -0.5, "qkv_proj": cfg.hidden_size ** -0.5,
+    scales = {"embed": 1.0, "lm_head": cfg.logit_scale * cfg.hidden_size ** -0.5, "qkv_proj": cfg.hidden_size ** -0.5,
               "gate_up_proj": cfg.hidden_size ** -0.5,
               "o_proj": cfg.residual_scale * (cfg.num_heads * cfg.head_dim) ** -0.5,
               "down_proj": cfg.residual_scale * cfg.intermediate_size ** -0.5}

@@ -1,0 +1,48 @@
+"""Host-to-device copies that do not stall the host.
+
+A plain ``tensor.to("cuda")`` from pageable memory synchronises the stream, which would stop the host
+from running ahead of the GPU at every step. :class:`HostToDevice` copies through a small ring of pinned
+buffers with ``non_blocking=True`` and only waits on a buffer's event before reusing it (by then the copy
+has long finished unless the host is a whole ring ahead).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostToDevice:
+    """Copy small int64 numpy arrays to ``device`` without a host sync.
+
+    Args:
+        device: the target device (on CPU the array is simply wrapped).
+        max_elems: the most elements one copy may carry.
+        slots: ring depth (pinned buffers and device buffers).
+    """
+
+    def __init__(self, device: torch.device, max_elems: int, slots: int = 8):
+        self.device, self.max_elems = torch.device(device), max_elems
+        self._cuda = self.device.type == "cuda"
+        self._i = 0
+        if self._cuda:
+            self._host = [torch.empty(max_elems, dtype=torch.int64).pin_memory() for _ in range(slots)]
+            self._dev = [torch.empty(max_elems, dtype=torch.int64, device=self.device) for _ in range(slots)]
+            self._events: list[torch.cuda.Event | None] = [None] * slots
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        """A device tensor with ``array``'s shape and contents (valid until the ring wraps around)."""
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        if not self._cuda:
+            return torch.from_numpy(array.copy())
+        if array.size > self.max_elems:
+            raise ValueError(f"HostToDevice holds {self.max_elems} elements per copy, got {array.size}")
+        i = self._i = (self._i + 1) % len(self._host)
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # the copy that last used this pinned buffer has finished
+        host = self._host[i][:array.size]
+        host.numpy()[:] = array.reshape(-1)
+        dev = self._dev[i][:array.size]
+        dev.copy_(host, non_blocking=True)
+        event = self._events[i] = torch.cuda.Event()
+        event.record()
+        return dev.view(array.shape)

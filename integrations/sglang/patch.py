@@ -1,0 +1,72 @@
+"""install() / uninstall(): make SGLang build graphpool's runner instead of its own ``CudaGraphRunner``.
+
+``ModelRunner.init_device_graphs`` looks ``CudaGraphRunner`` up in ``sglang.srt.model_executor.model_runner``
+when it runs, so replacing that module attribute swaps the target model's runner only; the EAGLE draft
+runners keep SGLang's classes (they call ``CudaGraphRunner.capture`` from their own imports) and share
+the global graph memory pool with ours. SGLang's adaptive speculation builds extra target runners by the
+same name in the EAGLE worker modules, so those are swapped too when they import.
+
+The patch is per process. SGLang starts its schedulers with ``spawn``: use the launcher
+(``python -m graphpool.integrations.sglang.launch``), which installs it inside every scheduler process.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Dict
+
+from .runner import MultiModeCudaGraphRunner
+from .support import unsupported_reasons
+
+log = logging.getLogger(__name__)
+
+#: Modules whose ``CudaGraphRunner`` name builds a *target* model runner.
+PATCHED_MODULES = ("sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker",
+                   "sglang.srt.speculative.eagle_worker_v2")
+
+_originals: Dict[str, Any] = {}
+
+
+def build_graph_runner(model_runner: Any, **kwargs: Any) -> Any:
+    """What the patched name builds: graphpool's runner, or SGLang's for a setup ours does not serve."""
+    reasons = unsupported_reasons(model_runner)
+    if reasons:
+        log.warning("graphpool: %s not supported by the multi-mode runner; using SGLang's CudaGraphRunner",
+                    ", ".join(reasons))
+        from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner(model_runner, **kwargs)
+    return MultiModeCudaGraphRunner(model_runner, **kwargs)
+
+
+def install() -> None:
+    """Swap the runner SGLang builds for the target model, in this process. Idempotent."""
+    for name in PATCHED_MODULES:
+        if name in _originals:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:  # e.g. the EAGLE workers without sgl_kernel: nothing there to build
+            if name == PATCHED_MODULES[0]:
+                raise ImportError(f"graphpool.install(): cannot import {name} ({exc}); install SGLang "
+                                  f"(tested: sglang==0.5.12.post1)") from exc
+            log.debug("graphpool: %s not importable (%s); not patched", name, exc)
+            continue
+        if not hasattr(module, "CudaGraphRunner"):
+            raise RuntimeError(f"graphpool.install(): {name} has no CudaGraphRunner; this SGLang version "
+                               f"does not use the classic runner API (supported: 0.5.9 to 0.5.12.post1)")
+        _originals[name] = module.CudaGraphRunner
+        module.CudaGraphRunner = build_graph_runner
+    log.info("graphpool: SGLang target graph runner replaced in %s", sorted(_originals))
+
+
+def uninstall() -> None:
+    """Put SGLang's own ``CudaGraphRunner`` back wherever :func:`install` replaced it."""
+    for name, original in list(_originals.items()):
+        importlib.import_module(name).CudaGraphRunner = original
+        del _originals[name]
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect in this process."""
+    return bool(_originals)

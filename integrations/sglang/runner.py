@@ -1,0 +1,333 @@
+"""MultiModeCudaGraphRunner: SGLang's ``CudaGraphRunner`` API over one :class:`~graphpool.GraphPool`.
+
+SGLang's runner captures graphs for one forward mode. With speculation on that mode is TARGET_VERIFY,
+and a plain DECODE step of ``bs`` sequences is routed into a graph that expects ``bs *
+num_draft_tokens`` tokens: "The size of tensor a (160) must match the size of tensor b (2)". This runner
+captures a graph for every (forward mode, batch size) over one set of static buffers and SGLang's
+global graph memory pool, and routes each step by its own forward mode:
+
+* speculation on: TARGET_VERIFY graphs (``num_draft_tokens`` tokens per sequence) AND plain DECODE
+  graphs (one token per sequence, ``spec_info=None``);
+* speculation off: DECODE graphs only, like SGLang.
+
+The attention backend's graph state is initialised once, sized for the largest mode, and receives the
+batch's own forward mode at capture and at replay. The hidden-state capture mode is kept per forward
+mode. The split use of EAGLE v2 (``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
+skip_attn_backend_init=True)``) keeps working.
+
+.. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
+
+import torch
+
+from graphpool import GraphPool, Mode, Step, StepBatch, StepInput
+from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_is_extend_in_batch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor import cuda_graph_runner as sglang_runner
+from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
+                                                          PPProxyTensors)
+
+from .support import capture_batch_sizes, unsupported_reasons
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+#: Pool mode name of each SGLang forward mode the runner captures.
+MODE_NAMES: Dict[ForwardMode, str] = {ForwardMode.DECODE: "decode", ForwardMode.TARGET_VERIFY: "target_verify"}
+
+GraphId = Tuple[ForwardMode, int]  # (forward mode, padded batch size): the key of `graphs`
+
+
+class MultiModeCudaGraphRunner:
+    """Drop-in for SGLang's ``CudaGraphRunner`` that holds graphs for several forward modes.
+
+    Args:
+        model_runner: SGLang's ``ModelRunner`` (or an object with the same attributes).
+        attn_backend: the attention backend the graphs use (default: ``model_runner.attn_backend``).
+        speculative_num_steps: override of ``server_args.speculative_num_steps`` (SGLang 0.5.11+).
+        speculative_num_draft_tokens: override of ``server_args.speculative_num_draft_tokens``.
+
+    Raises:
+        ValueError: the server uses a feature this runner does not stage (the message lists them);
+            :func:`graphpool.integrations.sglang.install` hands such servers to SGLang's runner.
+        graphpool.CaptureError: a graph failed to capture.
+    """
+
+    #: GraphPool backend: "auto" replays CUDA graphs on CUDA and runs the eager twin elsewhere.
+    pool_backend = "auto"
+
+    def __init__(self, model_runner: "ModelRunner", *, attn_backend: Any = None,
+                 speculative_num_steps: Optional[int] = None, speculative_num_draft_tokens: Optional[int] = None):
+        reasons = unsupported_reasons(model_runner)
+        if reasons:
+            raise ValueError(f"MultiModeCudaGraphRunner does not support {', '.join(reasons)}; run this server "
+                             f"with SGLang's own CudaGraphRunner (graphpool's install() does so automatically)")
+        self.model_runner = model_runner
+        self.device = model_runner.device
+        server_args = model_runner.server_args
+        self.attn_backend = attn_backend or model_runner.attn_backend
+        self.speculative_num_steps = (server_args.speculative_num_steps if speculative_num_steps is None
+                                      else speculative_num_steps)
+        self.speculative_num_draft_tokens = (server_args.speculative_num_draft_tokens
+                                             if speculative_num_draft_tokens is None else speculative_num_draft_tokens)
+        self.speculative_algorithm = server_args.speculative_algorithm
+        self.enable_torch_compile = False
+        self.disable_padding = bool(getattr(server_args, "disable_cuda_graph_padding", False))
+        self.is_encoder_decoder = False
+
+        spec = model_runner.spec_algorithm
+        self.speculative = spec.is_speculative()
+        # The "primary" mode is SGLang's single capture mode; DECODE is always captured besides it.
+        self.capture_forward_mode = ForwardMode.TARGET_VERIFY if self.speculative else ForwardMode.DECODE
+        self.num_tokens_per_bs = self.speculative_num_draft_tokens if self.speculative else 1
+        self.tokens_per_mode: Dict[ForwardMode, int] = {ForwardMode.DECODE: 1}
+        if self.speculative:
+            self.tokens_per_mode[ForwardMode.TARGET_VERIFY] = self.speculative_num_draft_tokens
+        self.capture_hidden_modes = self._initial_hidden_modes(spec, server_args)
+
+        self.capture_bs = capture_batch_sizes(model_runner)
+        self.compile_bs: list = []
+        self.max_bs = max(self.capture_bs)
+        self.max_num_token = self.max_bs * max(self.tokens_per_mode.values())
+        # Once, sized for the largest mode: backends reallocate buffers that captured graphs point at.
+        self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_num_token)
+        self.seq_len_fill_value = self.attn_backend.get_cuda_graph_seq_len_fill_value()
+
+        self.pool = GraphPool(
+            [Mode(MODE_NAMES[m], n) for m, n in self.tokens_per_mode.items()],
+            self._step_inputs(), self.capture_bs, device=self.device, backend=self.pool_backend,
+            on_miss="raise", memory_pool=self._shared_memory_pool())
+        # Inputs the pool does not route: a CPU copy of seq_lens for attention planning, the dummy tree
+        # mask verify graphs are captured with, and the non-padded token count some models read.
+        self.seq_lens_cpu = torch.full((self.max_bs,), self.seq_len_fill_value, dtype=torch.int32)
+        self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
+                                      * self.num_tokens_per_bs, dtype=torch.bool, device=self.device)
+        self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
+
+        self.graphs: Dict[GraphId, Any] = {}
+        self.output_buffers: Dict[GraphId, Any] = {}
+        self.bs = self.raw_bs = self.raw_num_token = 0
+        self.forward_mode = self.capture_forward_mode  # mode of the last prepared step
+        self._capture_batches: Dict[GraphId, ForwardBatch] = {}
+        self._capturing = False
+        self.capture()
+
+    # ----------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _initial_hidden_modes(spec: Any, server_args: Any) -> Dict[ForwardMode, CaptureHiddenMode]:
+        # EAGLE's draft model reads the target's hidden states of every token it verifies, and of the
+        # token a plain-decode fallback step produced: both modes capture FULL for EAGLE.
+        eagle = spec.is_speculative() and not spec.is_standalone()
+        mode = CaptureHiddenMode.FULL if eagle or server_args.enable_return_hidden_states else CaptureHiddenMode.NULL
+        modes = {ForwardMode.DECODE: mode}
+        if spec.is_speculative():
+            modes[ForwardMode.TARGET_VERIFY] = mode
+        return modes
+
+    def _step_inputs(self) -> list:
+        # Same dtypes as SGLang's DecodeInputBuffers, so attention backends see what they expect.
+        # Padded rows: seq_lens = the backend's fill value, out_cache_loc = 0, SGLang's dummy KV slot.
+        return [StepInput("input_ids", torch.int64, per="token"),
+                StepInput("positions", torch.int64, per="token"),
+                StepInput("out_cache_loc", torch.int64, per="token", fill=0),
+                StepInput("seq_lens", torch.int32, per="seq", fill=self.seq_len_fill_value),
+                StepInput("req_pool_indices", torch.int64, per="seq", fill=0)]
+
+    def _shared_memory_pool(self) -> Any:
+        """SGLang's global graph memory pool, created if this runner captures first, so the EAGLE draft
+        runners (which call SGLang's ``CudaGraphRunner.capture`` unbound) share it."""
+        if torch.device(self.device).type != "cuda":
+            return None
+        if sglang_runner.get_global_graph_memory_pool() is None:
+            sglang_runner.set_global_graph_memory_pool(torch.cuda.graph_pool_handle())
+        return sglang_runner.get_global_graph_memory_pool()
+
+    @property
+    def capture_hidden_mode(self) -> CaptureHiddenMode:
+        """Hidden-state capture mode of the primary mode (SGLang's single runner-wide value)."""
+        return self.capture_hidden_modes[self.capture_forward_mode]
+
+    @capture_hidden_mode.setter
+    def capture_hidden_mode(self, value: CaptureHiddenMode) -> None:
+        self.capture_hidden_modes[self.capture_forward_mode] = value
+
+    # ----------------------------------------------------------------------------------- capture
+    def capture(self) -> None:
+        """Capture every (forward mode, batch size), largest token count first, into the shared pool."""
+        self._capture_batches.clear()
+        self.output_buffers.clear()
+        self._capturing = True
+        try:
+            with self._capture_context():
+                self.pool.capture(self._run_model, prepare=self._prepare_capture, progress=False)
+        finally:
+            self._capturing = False
+        self.graphs = _pool_graphs(self.pool)
+        log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
+                 [m.name for m in self.tokens_per_mode], self.capture_bs)
+
+    @contextlib.contextmanager
+    def _capture_context(self) -> Iterator[None]:
+        # SGLang's graph_capture() lets tensor-parallel all-reduce register the graphs' buffers; it
+        # needs the TP group, which a single-process test harness does not create.
+        from sglang.srt.distributed import parallel_state
+
+        on_cuda = torch.device(self.device).type == "cuda"
+        if on_cuda:  # symmetric-memory all-reduce looks the graph pool up by this id
+            sglang_runner.set_graph_pool_id(self.pool.memory_pool)
+        with sglang_runner.model_capture_mode():
+            if on_cuda and parallel_state.model_parallel_is_initialized():
+                with parallel_state.graph_capture():
+                    yield
+            else:
+                yield
+
+    def _prepare_capture(self, batch: StepBatch, real_bs: int) -> None:
+        """Pool hook, run outside the graph. At capture: build the key's ForwardBatch and attention
+        metadata (first call), then the backend's post-warm-up hook (second call). At replay: nothing,
+        because :meth:`replay_prepare` plans attention itself (EAGLE v2 calls it apart from replay)."""
+        if not self._capturing:
+            return
+        forward_mode = ForwardMode[batch.mode.name.upper()]
+        graph_id = (forward_mode, batch.bs)
+        if graph_id in self._capture_batches:
+            self.attn_backend.on_after_cuda_graph_warmup()
+            return
+        fb = self._capture_batch(forward_mode, batch)
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(
+            batch.bs, batch.num_tokens, fb.req_pool_indices, fb.seq_lens, None, forward_mode, fb.spec_info)
+        self._capture_batches[graph_id] = fb
+
+    def _capture_batch(self, forward_mode: ForwardMode, batch: StepBatch) -> ForwardBatch:
+        views, bs = batch.inputs, batch.bs
+        self.num_token_non_padded.fill_(batch.num_tokens)
+        spec_info = self._capture_spec_info() if forward_mode == ForwardMode.TARGET_VERIFY else None
+        hidden = self.capture_hidden_modes[forward_mode]
+        if spec_info is not None and spec_info.capture_hidden_mode > hidden:
+            hidden = self.capture_hidden_modes[forward_mode] = spec_info.capture_hidden_mode
+        mr = self.model_runner
+        return ForwardBatch(
+            forward_mode=forward_mode, batch_size=bs, input_ids=views["input_ids"],
+            req_pool_indices=views["req_pool_indices"], seq_lens=views["seq_lens"],
+            seq_lens_cpu=self.seq_lens_cpu[:bs], orig_seq_lens=views["seq_lens"],
+            req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
+            attn_backend=self.attn_backend, out_cache_loc=views["out_cache_loc"],
+            seq_lens_sum=int(self.seq_lens_cpu[:bs].sum()), return_logprob=False, positions=views["positions"],
+            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), spec_algorithm=mr.spec_algorithm,
+            spec_info=spec_info, capture_hidden_mode=hidden, num_token_non_padded=self.num_token_non_padded,
+            global_forward_mode=forward_mode)
+
+    def _capture_spec_info(self) -> Any:
+        """The verify input TARGET_VERIFY graphs are captured with (no draft yet; static tree mask)."""
+        spec = self.model_runner.spec_algorithm
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        return EagleVerifyInput(
+            draft_token=None, custom_mask=self.custom_mask, positions=None, retrieve_index=None,
+            retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
+            spec_steps=self.speculative_num_steps, topk=self.model_runner.server_args.speculative_eagle_topk,
+            draft_token_num=self.speculative_num_draft_tokens,
+            capture_hidden_mode=CaptureHiddenMode.NULL if spec.is_standalone() else CaptureHiddenMode.FULL,
+            seq_lens_sum=None, seq_lens_cpu=None)
+
+    def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
+        """The pool's step function: the model's forward on the key's static ForwardBatch."""
+        graph_id = (ForwardMode[batch.mode.name.upper()], batch.bs)
+        fb = self._capture_batches[graph_id]
+        set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
+        set_is_extend_in_batch(False)
+        out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
+        result = {"next_token_logits": out.next_token_logits, "hidden_states": out.hidden_states}
+        if self._capturing:
+            self.output_buffers[graph_id] = result  # the last call of a key at capture is the captured one
+        return result
+
+    # ----------------------------------------------------------------------------------- steps
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode."""
+        mode = forward_batch.forward_mode
+        tokens = self.tokens_per_mode.get(mode)
+        bs = forward_batch.batch_size
+        if tokens is None or forward_batch.replace_embeds is not None or bs < 1:
+            return False
+        if not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
+            return False
+        # The check SGLang lacks: a step carries exactly bs x tokens_per_seq tokens of its own mode.
+        if forward_batch.input_ids.shape[0] != bs * tokens:
+            return False
+        requested = _requested_hidden_mode(forward_batch)
+        return requested == CaptureHiddenMode.NULL or requested == self.capture_hidden_modes[mode]
+
+    def recapture_if_needed(self, forward_batch: ForwardBatch) -> None:
+        """Recapture when the batch asks for hidden states its mode's graphs do not return."""
+        mode = forward_batch.forward_mode
+        required = max(_requested_hidden_mode(forward_batch),
+                       CaptureHiddenMode.FULL if self.model_runner.server_args.enable_return_hidden_states
+                       else CaptureHiddenMode.NULL)
+        if mode in self.capture_hidden_modes and required not in (CaptureHiddenMode.NULL,
+                                                                   self.capture_hidden_modes[mode]):
+            log.warning("recapturing graphs: %s steps now need hidden states %s (captured with %s)",
+                        mode.name, required.name, self.capture_hidden_modes[mode].name)
+            self.capture_hidden_modes[mode] = required
+            self.capture()
+
+    def replay_prepare(self, forward_batch: ForwardBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Step:
+        """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
+        ``raw_num_token``. Returns the staged step (SGLang ignores the return value)."""
+        self.recapture_if_needed(forward_batch)
+        step = self._stage(forward_batch)
+        mode, bs, raw_bs = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size
+        if forward_batch.seq_lens_cpu is not None:
+            self.seq_lens_cpu[raw_bs:bs].fill_(self.seq_len_fill_value)
+            self.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+        if forward_batch.num_token_non_padded is not None:  # read by MoE models under expert parallelism
+            self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
+        # A DECODE step with a spec_info is a draft decode to FlashInfer/FA3: plain decode passes None.
+        spec_info = forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bs, step.batch.inputs["req_pool_indices"], step.batch.inputs["seq_lens"],
+            forward_batch.seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value, None, mode, spec_info,
+            seq_lens_cpu=self.seq_lens_cpu[:bs])
+        self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
+        self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
+        return step
+
+    def replay(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool = False,
+               pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
+        """Replay the graph of the batch's own forward mode; outputs sliced to the real tokens.
+
+        With ``skip_attn_backend_init`` the caller already ran :meth:`replay_prepare` (EAGLE v2) and
+        only the inputs are staged again, since the draft changed ``input_ids`` and ``positions``.
+        """
+        step = self._stage(forward_batch) if skip_attn_backend_init else self.replay_prepare(forward_batch)
+        out = self.pool.replay(step)
+        return LogitsProcessorOutput(next_token_logits=out["next_token_logits"], hidden_states=out["hidden_states"])
+
+    def _stage(self, forward_batch: ForwardBatch) -> Step:
+        # seq_lens arrive as int64 from the scheduler; the graphs read int32 (as SGLang's buffers do).
+        return self.pool.stage(
+            MODE_NAMES[forward_batch.forward_mode], input_ids=forward_batch.input_ids,
+            positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc,
+            seq_lens=forward_batch.seq_lens.to(torch.int32), req_pool_indices=forward_batch.req_pool_indices)
+
+    def get_spec_info(self, num_tokens: int) -> Any:
+        """The verify input graphs of the primary mode are captured with (SGLang's method name)."""
+        return self._capture_spec_info() if self.speculative else None
+
+
+def _requested_hidden_mode(forward_batch: ForwardBatch) -> CaptureHiddenMode:
+    spec_mode = getattr(forward_batch.spec_info, "capture_hidden_mode", None)
+    return max(forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL, spec_mode or CaptureHiddenMode.NULL)
+
+
+def _pool_graphs(pool: GraphPool) -> Dict[GraphId, Any]:
+    """(forward mode, bs) -> the captured graph (a ``torch.cuda.CUDAGraph`` on the CUDA backend)."""
+    return {(mode, bs): pool.graph(name, bs) for mode, name in MODE_NAMES.items() if name in pool.keys.sizes
+            for bs in pool.keys.sizes[name]}

@@ -1,0 +1,3 @@
+"""Stand-in for ``torchvision.transforms.v2``."""
+
+from torchvision.transforms.v2 import functional  # noqa: F401

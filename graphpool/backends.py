@@ -46,8 +46,17 @@ class CudaGraphBackend:
             raise ValueError(f"the CUDA graph backend needs a CUDA device, got {device}; use backend='eager'")
         self.device = device
         # One pool for every graph: later (smaller) captures reuse blocks the earlier ones freed.
+        self._own_pool = memory_pool is None
         self.memory_pool = memory_pool if memory_pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
+
+    def release(self) -> None:
+        """Forget the pool's graphs. A pool of our own is replaced by a fresh handle: once its last graph
+        is gone the caching allocator frees it, and capturing into the stale handle again trips an
+        allocator assertion (seen with torch 2.11 after a failed capture)."""
+        if self._own_pool:
+            self.synchronize()
+            self.memory_pool = torch.cuda.graph_pool_handle()
 
     def warmup(self, fn: Callable[[], Any]) -> None:
         # Warm up on the capture stream, so lazy initialisation (cuBLAS handles, Triton compiles,

@@ -73,19 +73,31 @@ class _Entry:
     sliced: list | None = None  # sliced[real_bs] -> outputs (static-output backends only)
 
 
-@dataclass(frozen=True)
 class Step:
-    """A validated, routed and staged step, returned by :meth:`GraphPool.stage`."""
+    """A validated, routed and staged step, returned by :meth:`GraphPool.stage`.
 
-    mode: Mode
-    real_bs: int
-    batch: StepBatch
-    entry: _Entry | None  # None: no graph serves it (eager miss)
-    inputs: tuple[torch.Tensor, ...]
+    Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or the caller's tensors
+    on the eager miss path), ``key`` (the graph's key, ``None`` on a miss), ``inputs`` (declaration order).
+    """
+
+    __slots__ = ("mode", "real_bs", "batch", "entry", "inputs")
+
+    def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: _Entry | None,
+                 inputs: Sequence[torch.Tensor]):
+        self.mode, self.real_bs, self.batch, self.entry, self.inputs = mode, real_bs, batch, entry, inputs
 
     @property
     def key(self) -> GraphKey | None:
         return self.entry.key if self.entry is not None else None
+
+
+@dataclass
+class _ModePlan:
+    """Per mode, everything the hot path looks up by the real batch size (index 0 unused)."""
+
+    mode: Mode
+    shapes: list[tuple[tuple[int, ...], ...]]  # [real_bs] -> expected shape of every input
+    entries: list[_Entry | None]               # [real_bs] -> the graph that serves it
 
 
 class GraphPool:
@@ -131,11 +143,11 @@ class GraphPool:
             if staging == "ring" else None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._specs = self.buffers.specs
-        self._names = frozenset(s.name for s in self._specs)
-        self._ndims = tuple(1 + len(s.trailing) for s in self._specs)
+        self._names = tuple(s.name for s in self._specs)
+        self._dtypes = tuple(s.dtype for s in self._specs)
         # The real batch size is read off one input: a per-sequence one if any, else a per-token one.
         self._bs_index = next((i for i, s in enumerate(self._specs) if s.per == "seq"), 0)
-        self._entries: dict[str, list[_Entry | None]] = {}  # mode -> [real_bs] -> entry; the hot-path table
+        self._plans: dict[str, _ModePlan] = {}  # filled by capture(); empty means "not captured"
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
         self._failure: str | None = None
@@ -153,7 +165,7 @@ class GraphPool:
 
     @property
     def captured(self) -> bool:
-        return bool(self._entries)
+        return bool(self._plans)
 
     def capture(self, step_fn: StepFn, prepare: PrepareFn | None = None, warmup: int = 1,
                 progress: bool = True) -> None:
@@ -191,10 +203,10 @@ class GraphPool:
         self._failure = None
         self.stats.keys = {key: entries[key].stats for key in self.keys.keys}
         for name, mode in self.keys.modes.items():
-            table: list[_Entry | None] = [None]
-            for real_bs in range(1, self.keys.max_bs[name] + 1):
-                table.append(entries[GraphKey(name, self.keys.route(name, real_bs))])
-            self._entries[name] = table
+            sizes = range(1, self.keys.max_bs[name] + 1)
+            self._plans[name] = _ModePlan(
+                mode, [()] + [self._shapes(mode, real_bs) for real_bs in sizes],
+                [None] + [entries[GraphKey(name, self.keys.route(name, real_bs))] for real_bs in sizes])
         log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order),
                  self.backend.name, time.perf_counter() - started, self.stats.graph_bytes / 2**20)
 
@@ -234,8 +246,13 @@ class GraphPool:
         return entry
 
     def _release(self) -> None:
-        self._entries = {}
+        self._plans = {}
         self.stats.keys = {}
+        if isinstance(self.backend, CudaGraphBackend):
+            self.backend.release()
+
+    def _shapes(self, mode: Mode, real_bs: int) -> tuple[tuple[int, ...], ...]:
+        return tuple((s.rows(real_bs, mode.tokens_per_seq), *s.trailing) for s in self._specs)
 
     # ------------------------------------------------------------------------------------------- steps
     def run(self, mode: str, copy: bool = False, **inputs: torch.Tensor) -> Outputs:
@@ -263,23 +280,23 @@ class GraphPool:
         For the CUDA backend without ``prepare`` the copy itself happens in the graph's first node at
         :meth:`replay`; otherwise ``step.batch.inputs`` hold the staged, padded inputs on return.
         """
-        table = self._entries.get(mode)
-        if table is None:
+        plan = self._plans.get(mode)
+        if plan is None:
             self._check_ready(mode)
-        spec_mode = self.keys.modes[mode]
-        ordered, real_bs = self._validate(spec_mode, inputs)
-        entry = table[real_bs] if real_bs < len(table) else None
+        ordered, real_bs, pointers = self._validate(plan, inputs)
+        entries = plan.entries
+        entry = entries[real_bs] if real_bs < len(entries) else None
         if entry is None:
-            return self._miss_step(spec_mode, real_bs, inputs, ordered)
+            return self._miss_step(plan.mode, real_bs, inputs, ordered)
         ring = self._ring
         if ring is None:
             stage_with_torch(self.buffers, entry.key, ordered)
         else:
-            ring.write(real_bs, ordered)
+            ring.write(real_bs, pointers)
             if entry.stage_graph is not None:
                 self.backend.replay(entry.stage_graph)
                 ring.issued += 1
-        return Step(spec_mode, real_bs, entry.batch, entry, ordered)
+        return Step(plan.mode, real_bs, entry.batch, entry, ordered)
 
     def replay(self, step: Step) -> Outputs:
         """Run a staged step: ``prepare``, then the graph (or the eager miss path); outputs sliced."""
@@ -307,8 +324,8 @@ class GraphPool:
     def graph(self, mode: str, bs: int) -> Any:
         """The captured graph object of key (mode, bs) (a ``torch.cuda.CUDAGraph`` on the CUDA backend),
         for benchmarks and debugging: replaying it directly skips staging and slicing."""
-        table = self._entries.get(self.keys.mode(mode).name, [])
-        entry = table[bs] if 0 < bs < len(table) else None
+        plan = self._plans.get(self.keys.mode(mode).name)
+        entry = plan.entries[bs] if plan is not None and 0 < bs < len(plan.entries) else None
         if entry is None or entry.key.bs != bs:
             raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self.keys.sizes[mode]}")
         return entry.graph
@@ -330,32 +347,42 @@ class GraphPool:
                                f"Fix the cause and call pool.capture(step_fn) again before running steps")
         raise NotCapturedError(f"mode {mode!r} has no graphs yet: call pool.capture(step_fn) before pool.run")
 
-    def _validate(self, mode: Mode, inputs: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], int]:
-        """Check every input against its declaration; return them in declaration order and the real bs."""
+    def _validate(self, plan: _ModePlan, inputs: Mapping[str, torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], int, list[int]]:
+        """Check every input against its declaration (dtype, shape, device, contiguity).
+
+        Returns the inputs in declaration order, the real batch size and their data pointers. This is
+        the hot path: one expected-shape tuple per input is looked up, not computed.
+        """
+        mode = plan.mode
         try:
-            ordered = tuple([inputs[s.name] for s in self._specs])
+            ordered = [inputs[name] for name in self._names]
         except KeyError:
-            ordered = ()
+            ordered = []
         if len(ordered) != len(inputs) or not ordered:
             self._raise_names(mode, inputs)
-        tps = mode.tokens_per_seq
-        first = ordered[self._bs_index]
-        rows = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
-        per_token = self._specs[self._bs_index].per == "token"
-        real_bs = rows // tps if per_token else rows
-        if real_bs < 1 or (per_token and rows % tps):
-            self._raise_rows(mode, self._specs[self._bs_index], first, None)
-        device = self._device_index
-        for spec, t, ndim in zip(self._specs, ordered, self._ndims):
-            if (not isinstance(t, torch.Tensor) or t.dtype is not spec.dtype or t.get_device() != device
-                    or t.dim() != ndim or t.shape[0] != (real_bs * tps if spec.per == "token" else real_bs)
-                    or (ndim > 1 and t.shape[1:] != spec.trailing) or not t.is_contiguous()):
-                self._raise_input(mode, spec, t, real_bs)
-        return ordered, real_bs
+        try:
+            rows = ordered[self._bs_index].shape[0]
+        except (AttributeError, IndexError):
+            rows = 0
+        real_bs = rows if self._specs[self._bs_index].per == "seq" else rows // mode.tokens_per_seq
+        if real_bs < 1:
+            self._raise_rows(mode, self._specs[self._bs_index], ordered[self._bs_index], None)
+        shapes = plan.shapes[real_bs] if real_bs < len(plan.shapes) else self._shapes(mode, real_bs)
+        device, pointers = self._device_index, []
+        try:
+            for t, dtype, shape in zip(ordered, self._dtypes, shapes):
+                if t.dtype is not dtype or t.shape != shape or t.get_device() != device or not t.is_contiguous():
+                    raise ValueError
+                pointers.append(t.data_ptr())
+        except (AttributeError, ValueError):
+            spec = self._specs[len(pointers)]
+            self._raise_input(mode, spec, ordered[len(pointers)], real_bs)
+        return ordered, real_bs, pointers
 
     def _raise_names(self, mode: Mode, inputs: Mapping[str, Any]) -> None:
         missing = [s.name for s in self._specs if s.name not in inputs]
-        unknown = sorted(set(inputs) - self._names)
+        unknown = sorted(set(inputs) - set(self._names))
         raise MissingInputError(
             f"mode {mode.name!r} step: missing inputs {missing}, unknown inputs {unknown}; this pool declares "
             f"{[s.name for s in self._specs]} and every step must pass each of them by keyword")

@@ -41,7 +41,7 @@ class RingStager:
         pinned = device.type == "cuda"
         self.ring = torch.zeros(slots, width, dtype=torch.int64, pin_memory=pinned)
         self.done = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
-        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        self.step = torch.zeros(2, dtype=torch.int64, device=device)  # [steps executed, programs arrived]
         self.meta = buffers.kernel_meta()
         self._row = struct.Struct(f"<{width}q")
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
@@ -50,16 +50,16 @@ class RingStager:
                                     for s in buffers.specs) for key in keys.keys}
         self.issued = 0  # steps whose staging kernel has been launched for execution (not captured)
 
-    def write(self, real_bs: int, inputs: Sequence[torch.Tensor]) -> None:
-        """Publish this step's row count and source pointers for the next staging kernel to execute."""
-        if self.issued - int(self._done[0]) >= self.slots:
+    def write(self, real_bs: int, pointers: Sequence[int]) -> None:
+        """Publish this step's batch size and source pointers (declaration order) for the next staging
+        kernel to execute."""
+        if self.issued - self._done[0] >= self.slots:
             self._synchronize()  # the row we would overwrite may still be unread by a queued step
-        self._row.pack_into(self._ring_bytes, (self.issued % self.slots) * self._row.size,
-                            real_bs, *[t.data_ptr() for t in inputs])
+        self._row.pack_into(self._ring_bytes, (self.issued % self.slots) * self._row.size, real_bs, *pointers)
 
     def write_self_copy(self, key: GraphKey) -> None:
         """A row that stages every static view onto itself (used for warm-up runs before capture)."""
-        self.write(key.bs, list(self._buffers.views[key].values()))
+        self.write(key.bs, [t.data_ptr() for t in self._buffers.views[key].values()])
 
     def launch(self, key: GraphKey) -> None:
         """The staging kernel and the counter advance for ``key``: call inside the graph's capture."""

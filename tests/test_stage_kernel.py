@@ -47,7 +47,7 @@ def test_kernel_equals_reference(device, seed):
     pinned = device == "cuda"
     ring = torch.zeros(slots, 1 + n, dtype=torch.int64, pin_memory=pinned)
     done = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
-    step = torch.zeros(1, dtype=torch.int64, device=device)
+    step = torch.zeros(2, dtype=torch.int64, device=device)
     meta = torch.tensor([[d.data_ptr(), f.data_ptr(), d[0].numel() * d.element_size(), int(p)]
                          for d, f, (_, _, p) in zip(dsts, fills, specs)], dtype=torch.int64, device=device)
     expected = [d.clone() for d in dsts]
@@ -68,4 +68,4 @@ def test_kernel_equals_reference(device, seed):
             torch.cuda.synchronize()
         for k, (got, exp) in enumerate(zip(dsts, expected)):
             assert torch.equal(got, exp), f"step {i} input {k} {specs[k]} real_bs={real_bs} padded_bs={padded_bs}"
-        assert int(step[0]) == i + 1 and int(done[0]) == i + 1
+        assert step.tolist() == [i + 1, 0] and int(done[0]) == i + 1

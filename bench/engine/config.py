@@ -39,7 +39,7 @@ class ModelConfig:
     head_dim: int = 128
     intermediate_size: int = 5632
     rope_theta: float = 10000.0
-    residual_scale: float = 0.15
+    residual_scale: float = 0.08
     logit_scale: float = 8.0
     max_positions: int = 4096
 

@@ -100,9 +100,10 @@ class DecodeLoop:
         return self.policy.choose(bs)
 
     def run(self, requests: list[Request], concurrency: int, warmup_steps: int = 0, max_steps: int | None = None,
-            keep_outputs: bool = True, progress=None) -> RunStats:
-        """Serve ``requests`` in order, ``concurrency`` at a time, until all finish or ``max_steps`` (after
-        ``warmup_steps`` untimed steps) have run. Throughput counts committed tokens in the timed window."""
+            min_seconds: float = 0.0, keep_outputs: bool = True) -> RunStats:
+        """Serve ``requests`` in order, ``concurrency`` at a time, until all finish, or until ``max_steps``
+        timed steps (after ``warmup_steps`` untimed ones) have run and at least ``min_seconds`` passed.
+        Throughput counts the tokens committed in the timed window (capped at each request's ``max_new``)."""
         eng, stats = self.engine, RunStats(self.variant, concurrency)
         queue = list(reversed(requests))
         rows = np.zeros(0, np.int64)            # request row of each active sequence
@@ -110,6 +111,7 @@ class DecodeLoop:
         draft_len = np.zeros(0, np.int64)       # positions whose draft KV is valid
         done = np.zeros(0, np.int64)            # tokens generated so far
         reqs: list[Request] = []
+        limit = np.zeros(0, np.int64)           # max_new of each active sequence
         pending_out: list[tuple[int, torch.Tensor]] = []
         misses0 = sum(self.pool.stats.misses.values())
         step, t0 = 0, None
@@ -123,7 +125,9 @@ class DecodeLoop:
                 lens = np.concatenate([lens, np.full(len(new), eng.prompt_len)])
                 draft_len = np.concatenate([draft_len, np.full(len(new), eng.prompt_len - 1)])
                 done = np.concatenate([done, np.zeros(len(new), np.int64)])
-            if not reqs or (max_steps is not None and step >= warmup_steps + max_steps):
+                limit = np.concatenate([limit, [r.max_new for r in new]])
+            if not reqs or (max_steps is not None and step >= warmup_steps + max_steps
+                            and time.perf_counter() - t0 >= min_seconds):
                 break
             if step == warmup_steps:
                 self._sync()
@@ -147,7 +151,7 @@ class DecodeLoop:
             else:
                 self.pool.run("decode", **inputs)
                 acc = np.ones(bs, np.int64)
-            gained = np.minimum(acc, np.array([r.max_new for r in reqs]) - done)
+            gained = np.minimum(acc, limit - done)
             lens, done = lens + acc, done + gained
             if step >= warmup_steps:
                 stats.tokens += int(gained.sum())
@@ -156,7 +160,7 @@ class DecodeLoop:
                     stats.draft_tokens_accepted += int((acc - 1).sum())
                     stats.accept_rows += bs
             step += 1
-            finished = np.flatnonzero(done >= np.array([r.max_new for r in reqs]))
+            finished = np.flatnonzero(done >= limit)
             if len(finished):
                 for i in finished:
                     r = reqs[i]
@@ -166,9 +170,7 @@ class DecodeLoop:
                     eng.rows.free(int(rows[i]))
                 keep = np.setdiff1d(np.arange(len(reqs)), finished)
                 reqs = [reqs[i] for i in keep]
-                rows, lens, draft_len, done = rows[keep], lens[keep], draft_len[keep], done[keep]
-            if progress is not None and step % 50 == 0:
-                progress(step)
+                rows, lens, draft_len, done, limit = rows[keep], lens[keep], draft_len[keep], done[keep], limit[keep]
         self._sync()
         stats.seconds = time.perf_counter() - t0 if t0 is not None else 0.0
         stats.graph_misses = sum(self.pool.stats.misses.values()) - misses0

@@ -135,10 +135,10 @@ def bench_key(pools: dict[str, gp.GraphPool], step: default_step.BenchStep, mode
     ring = prep_pool._ring
     key = gp.GraphKey(name, bs)
     prep_graph = prep_pool.graph(name, bs)
-    ordered = [inputs[s.name] for s in prep_pool.buffers.specs]
+    pointers = [inputs[s.name].data_ptr() for s in prep_pool.buffers.specs]
 
     def triton_stage() -> None:
-        ring.write(bs, ordered)
+        ring.write(bs, pointers)
         ring.launch(key)
         ring.issued += 1
     results["triton-launch"] = timed(triton_stage, lambda _: prep_graph.replay(), args.iters, args.warmup, cuda)

@@ -311,22 +311,35 @@ class Requests:
         return len(self.tokens[r]) - 1
 
 
-def prefill(mr: HarnessModelRunner, reqs: Requests, alloc: SlotAllocator) -> None:
-    """Write the KV of every prompt token but the last (one uniform-length EXTEND step)."""
-    n = len(reqs.tokens)
-    t = reqs.kv_len(0)
+def prefill(mr: HarnessModelRunner, reqs: Requests, alloc: Optional[SlotAllocator]) -> None:
+    """Write the KV of every prompt token but the last (one uniform-length EXTEND step). With ``alloc``
+    new slots are recorded in ``req_to_token``; without, the slots already there are reused (a draft
+    model sharing the target's table)."""
+    n, t, dev = len(reqs.tokens), reqs.kv_len(0), mr.device
+    if alloc is not None:
+        mr.req_to_token_pool.req_to_token[:n, :t] = alloc.alloc(n * t, dev).view(n, t).to(torch.int32)
+    extend(mr, list(range(n)), [0] * n, [tok[:t] for tok in reqs.tokens])
+
+
+def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: List[List[int]]) -> None:
+    """Run ``tokens[i]`` of row ``rows[i]`` at positions ``starts[i]...`` eagerly (EXTEND), writing KV at the
+    slots ``req_to_token`` holds for those positions; rows are grouped by length (uniform per forward)."""
     dev = mr.device
-    slots = alloc.alloc(n * t, dev)
-    idx = torch.arange(n, device=dev)
-    mr.req_to_token_pool.req_to_token[:n, :t] = slots.view(n, t).to(torch.int32)
-    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=n,
-                      input_ids=torch.tensor([tok[:t] for tok in reqs.tokens], device=dev).reshape(-1),
-                      req_pool_indices=idx, seq_lens=torch.full((n,), t, device=dev), out_cache_loc=slots,
-                      seq_lens_sum=n * t, positions=torch.arange(t, device=dev).repeat(n),
-                      attn_backend=mr.attn_backend, capture_hidden_mode=CaptureHiddenMode.NULL,
-                      spec_algorithm=mr.spec_algorithm)
-    mr.attn_backend.init_forward_metadata(fb)
-    mr.model.forward(fb.input_ids, fb.positions, fb)
+    groups: Dict[int, List[int]] = {}
+    for i, toks in enumerate(tokens):
+        groups.setdefault(len(toks), []).append(i)
+    for t, members in groups.items():
+        idx = torch.tensor([rows[i] for i in members], dtype=torch.int64, device=dev)
+        start = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=dev)
+        pos = start[:, None] + torch.arange(t, device=dev)[None, :]
+        slots = mr.req_to_token_pool.req_to_token[idx[:, None], pos].long().reshape(-1)
+        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(members),
+                          input_ids=torch.tensor([tokens[i] for i in members], device=dev).reshape(-1),
+                          req_pool_indices=idx, seq_lens=start + t, out_cache_loc=slots,
+                          seq_lens_sum=int((start + t).sum()), positions=pos.reshape(-1),
+                          capture_hidden_mode=CaptureHiddenMode.NULL, **_runner_fields(mr))
+        mr.attn_backend.init_forward_metadata(fb)
+        mr.model.forward(fb.input_ids, fb.positions, fb)
 
 
 def decode_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], alloc: SlotAllocator,

@@ -49,14 +49,14 @@ class Alternate:
         return "verify" if (self.calls // self.every) % 2 else "decode"
 
 
-def _engine(device):
-    return build(CFG, SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1), [1, 2, 4],
-                 PROMPT, 24, device=device, dtype=torch.float32)
+def _engine(device, cfg=CFG, spec=None):
+    spec = spec or SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
+    return build(cfg, spec, [1, 2, 4], PROMPT, 24, device=device, dtype=torch.float32)
 
 
-def _check_variants(device):
-    engine, pool = _engine(device)
-    reqs = make_requests(7, PROMPT, CFG.vocab_size, 8, 24, seed=3)
+def _check_variants(device, cfg=CFG, spec=None):
+    engine, pool = _engine(device, cfg, spec)
+    reqs = make_requests(7, PROMPT, cfg.vocab_size, 8, 24, seed=3)
     plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)  # 3 pads to the bs-4 graphs
     for r in reqs[:3]:
         assert plain.outputs[r.rid] == oracle_greedy(engine.target, r.prompt.tolist(), r.max_new)
@@ -83,6 +83,12 @@ def test_variants_match_plain_decode_and_oracle_cpu():
 def test_variants_match_plain_decode_and_oracle_gpu():
     engine, pool = _check_variants("cuda")
     assert pool.stats.backend.startswith("cuda")
+
+
+@pytest.mark.gpu
+def test_variants_match_plain_decode_small_model_fp32_gpu():
+    """The benchmark's model shape and draft tree (topk 4 x steps 4, 16 verified tokens), float32, CUDA graphs."""
+    _check_variants("cuda", ModelConfig.small(), SpecConfig())
 
 
 def test_draft_kv_after_catch_up_equals_fresh_draft_prefill():

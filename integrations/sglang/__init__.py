@@ -6,7 +6,10 @@ beside this file for running a server with it.
 """
 from .patch import install, installed, uninstall
 from .runner import MODE_NAMES, MultiModeCudaGraphRunner
+from .spec_switch import (SpeculationSwitch, install_speculation_switch, plain_decode_batch,
+                          uninstall_speculation_switch)
 from .support import capture_batch_sizes, unsupported_reasons
 
 __all__ = ["MultiModeCudaGraphRunner", "install", "uninstall", "installed", "MODE_NAMES", "capture_batch_sizes",
-           "unsupported_reasons"]
+           "unsupported_reasons", "SpeculationSwitch", "install_speculation_switch", "uninstall_speculation_switch",
+           "plain_decode_batch"]

@@ -164,6 +164,7 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
             return eagle_v1_plain_decode(self, batch)
         return original(self, batch)
 
+    forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
     _original_forward = original
     EAGLEWorker.forward_batch_generation = forward_batch_generation
     log.info("graphpool: speculation off above %d sequences, back on at <= %d", switch.policy.off_above,

@@ -1,0 +1,109 @@
+"""Launch an SGLang server with graphpool: ``python -m graphpool.integrations.sglang.launch``.
+
+Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
+
+``--graphpool-spec-off-above N``
+    EAGLE v1 only: decode plainly (no speculation) once a decode batch has more than N sequences.
+``--graphpool-spec-on-at-or-below M``
+    speculate again once the batch is at or below M (default N; M < N gives hysteresis).
+
+SGLang starts its scheduler processes with ``spawn``, so a patch made in this process would not reach
+them. This launcher hands SGLang a picklable scheduler entry point (:class:`SchedulerEntry`) that
+installs graphpool inside each scheduler process before running SGLang's own ``run_scheduler_process``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
+
+SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
+
+
+@dataclass(frozen=True)
+class GraphpoolOptions:
+    """graphpool's launcher arguments."""
+
+    spec_off_above: Optional[int] = None
+    spec_on_at_or_below: Optional[int] = None
+
+    def apply(self) -> None:
+        """Install the runner patch (and the speculation switch, if asked for) in this process."""
+        from .patch import install
+
+        install()
+        if self.spec_off_above is not None:
+            from .spec_switch import install_speculation_switch
+
+            install_speculation_switch(self.spec_off_above, self.spec_on_at_or_below)
+
+
+@dataclass(frozen=True)
+class SchedulerEntry:
+    """A scheduler process target that survives ``spawn``: pickled by reference to this module, it
+    installs graphpool in the new process, then calls ``target`` (SGLang's scheduler) with SGLang's args."""
+
+    options: GraphpoolOptions
+    target: str = SGLANG_SCHEDULER
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.options.apply()
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
+    """graphpool's options, and the remaining arguments for SGLang."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--graphpool-spec-off-above", type=int, default=None)
+    parser.add_argument("--graphpool-spec-on-at-or-below", type=int, default=None)
+    ours, rest = parser.parse_known_args(list(argv))
+    off, on = ours.graphpool_spec_off_above, ours.graphpool_spec_on_at_or_below
+    if on is not None and off is None:
+        raise SystemExit("--graphpool-spec-on-at-or-below needs --graphpool-spec-off-above (the threshold to "
+                         "switch speculation off at)")
+    if off is not None and (off < 0 or (on is not None and not 0 <= on <= off)):
+        raise SystemExit(f"need 0 <= --graphpool-spec-on-at-or-below <= --graphpool-spec-off-above, got "
+                         f"on={on}, off={off}")
+    return GraphpoolOptions(off, on), rest
+
+
+def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
+    """Refuse a speculation switch that SGLang's configuration would never reach."""
+    if options.spec_off_above is None:
+        return
+    algorithm = (server_args.speculative_algorithm or "").upper()
+    if algorithm not in ("EAGLE", "EAGLE3"):
+        raise SystemExit(f"--graphpool-spec-off-above switches EAGLE speculation, but --speculative-algorithm is "
+                         f"{server_args.speculative_algorithm!r}; pass --speculative-algorithm EAGLE or EAGLE3")
+    if not server_args.disable_overlap_schedule:
+        raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
+                         "without the overlap scheduler; add --disable-overlap-schedule")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Parse, install graphpool here and in every scheduler process, and run SGLang's HTTP server."""
+    options, rest = split_args(sys.argv[1:] if argv is None else argv)
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(rest)
+    check_server_args(options, server_args)
+    options.apply()  # this process too, for an in-process engine
+    try:
+        launch_server(server_args, run_scheduler_process_func=SchedulerEntry(options))
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""install()/uninstall() on the real SGLang modules, and the launcher's spawn-safe scheduler entry."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import multiprocessing as mp
+import pickle
+
+import pytest
+import torch
+
+from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
+
+from sglang.srt.model_executor import cuda_graph_runner, model_runner
+
+from graphpool.integrations import sglang as gp_sglang
+from graphpool.integrations.sglang.launch import GraphpoolOptions, SchedulerEntry, check_server_args, split_args
+from graphpool.integrations.sglang.patch import build_graph_runner
+
+
+def test_install_swaps_the_runner_model_runner_builds_and_uninstall_restores():
+    original = model_runner.CudaGraphRunner
+    assert original is cuda_graph_runner.CudaGraphRunner
+    gp_sglang.install()
+    try:
+        gp_sglang.install()  # idempotent
+        assert gp_sglang.installed() and model_runner.CudaGraphRunner is build_graph_runner
+        # The draft runners' name is untouched: they call SGLang's CudaGraphRunner.capture unbound.
+        assert cuda_graph_runner.CudaGraphRunner is original
+        # What init_device_graphs would build for a target model runner:
+        mr = H.HarnessModelRunner(H.HarnessConfig(batch_sizes=(1, 2)), torch.device("cpu"), speculative=True)
+        assert isinstance(model_runner.CudaGraphRunner(mr), gp_sglang.MultiModeCudaGraphRunner)
+    finally:
+        gp_sglang.uninstall()
+    assert not gp_sglang.installed() and model_runner.CudaGraphRunner is original
+
+
+def test_unsupported_setups_get_sglangs_runner(monkeypatch):
+    built = []
+    monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", lambda mr, **kw: built.append((mr, kw)) or "sglang")
+    mr = H.HarnessModelRunner(H.HarnessConfig(batch_sizes=(1, 2)), torch.device("cpu"), speculative=False)
+    mr.server_args.enable_dp_attention = True
+    assert build_graph_runner(mr, attn_backend=None) == "sglang" and built == [(mr, {"attn_backend": None})]
+
+
+def test_launcher_splits_its_arguments_from_sglangs():
+    options, rest = split_args(["--model-path", "m", "--graphpool-spec-off-above", "16",
+                                "--graphpool-spec-on-at-or-below", "8", "--speculative-algorithm", "EAGLE"])
+    assert options == GraphpoolOptions(16, 8) and rest == ["--model-path", "m", "--speculative-algorithm", "EAGLE"]
+    assert split_args(["--model-path", "m"]) == (GraphpoolOptions(), ["--model-path", "m"])
+    with pytest.raises(SystemExit, match="on-at-or-below <= --graphpool-spec-off-above"):
+        split_args(["--graphpool-spec-off-above", "4", "--graphpool-spec-on-at-or-below", "8"])
+    args = type("Args", (), {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False})()
+    with pytest.raises(SystemExit, match="--disable-overlap-schedule"):
+        check_server_args(GraphpoolOptions(16), args)
+    args.speculative_algorithm = None
+    with pytest.raises(SystemExit, match="--speculative-algorithm EAGLE"):
+        check_server_args(GraphpoolOptions(16), args)
+
+
+def test_sglang_accepts_a_scheduler_entry_point():
+    # Read from the installed source: importing the HTTP server needs uvloop, which CI does not install.
+    source = open(importlib.util.find_spec("sglang.srt.entrypoints.http_server").origin).read()
+    launch = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "launch_server")
+    assert "run_scheduler_process_func" in [a.arg for a in launch.args.args]
+
+
+def report_patch(queue) -> None:
+    """Runs in the spawned process in place of SGLang's scheduler: reports what the patch did there."""
+    from sglang.srt.model_executor import model_runner as child_model_runner
+    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+    switch = getattr(EAGLEWorker.forward_batch_generation, "graphpool_switch", None)
+    queue.put((child_model_runner.CudaGraphRunner.__name__, switch and switch.policy.off_above))
+
+
+@pytest.mark.slow
+def test_scheduler_entry_installs_graphpool_inside_a_spawned_process():
+    entry = SchedulerEntry(GraphpoolOptions(16, 8), target=f"{__name__}:report_patch")
+    assert pickle.loads(pickle.dumps(entry)) == entry
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=entry, args=(queue,))
+    proc.start()
+    try:
+        runner_name, off_above = queue.get(timeout=240)
+    finally:
+        proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert runner_name == "build_graph_runner"
+    assert off_above == 16, "the EAGLE v1 speculation switch is installed in the scheduler process"

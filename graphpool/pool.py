@@ -271,7 +271,7 @@ class GraphPool:
             BatchTooLargeError: with ``on_miss="raise"``, the batch is larger than every captured size.
             NotCapturedError, CaptureError: :meth:`capture` has not succeeded.
         """
-        out = self.replay(self.stage(mode, **inputs))
+        out = self.replay(self._stage(mode, inputs))
         return clone_outputs(out) if copy else out
 
     def stage(self, mode: str, **inputs: torch.Tensor) -> Step:
@@ -280,6 +280,9 @@ class GraphPool:
         For the CUDA backend without ``prepare`` the copy itself happens in the graph's first node at
         :meth:`replay`; otherwise ``step.batch.inputs`` hold the staged, padded inputs on return.
         """
+        return self._stage(mode, inputs)
+
+    def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
         plan = self._plans.get(mode)
         if plan is None:
             self._check_ready(mode)

@@ -12,6 +12,7 @@ setup(
     packages=["graphpool", "graphpool.kernels", "graphpool.integrations", "graphpool.integrations.sglang"],
     package_dir={"graphpool": "graphpool", "graphpool.kernels": "kernels",
                  "graphpool.integrations": "integrations"},
+    package_data={"graphpool": ["csrc/*.cpp"]},
     install_requires=["torch>=2.4"],
     extras_require={
         "triton": ["triton>=3.0"],

@@ -138,7 +138,7 @@ def bench_key(pools: dict[str, gp.GraphPool], step: default_step.BenchStep, mode
     pointers = [inputs[s.name].data_ptr() for s in prep_pool.buffers.specs]
 
     def triton_stage() -> None:
-        ring.write(bs, pointers)
+        ring.write(ring.next_row(), bs, pointers)
         ring.launch(key)
         ring.issued += 1
     results["triton-launch"] = timed(triton_stage, lambda _: prep_graph.replay(), args.iters, args.warmup, cuda)

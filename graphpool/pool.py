@@ -29,6 +29,7 @@ from .buffers import StaticBuffers
 from .errors import (BatchTooLargeError, CaptureError, InputDeviceError, InputDtypeError, InputRowsError,
                      InputShapeError, MissingInputError, NotCapturedError)
 from .modes import GraphKey, KeyTable, Mode, StepInput
+from .native import make_input_checker
 from .outputs import Outputs, clone_outputs, slice_outputs
 from .staging import RingStager, stage_with_torch
 from .stats import KeyStats, PoolStats
@@ -77,13 +78,14 @@ class Step:
     """A validated, routed and staged step, returned by :meth:`GraphPool.stage`.
 
     Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or the caller's tensors
-    on the eager miss path), ``key`` (the graph's key, ``None`` on a miss), ``inputs`` (declaration order).
+    on the eager miss path), ``key`` (the graph's key, ``None`` on a miss), ``inputs`` (the caller's
+    name -> tensor mapping).
     """
 
     __slots__ = ("mode", "real_bs", "batch", "entry", "inputs")
 
     def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: _Entry | None,
-                 inputs: Sequence[torch.Tensor]):
+                 inputs: Mapping[str, torch.Tensor]):
         self.mode, self.real_bs, self.batch, self.entry, self.inputs = mode, real_bs, batch, entry, inputs
 
     @property
@@ -116,13 +118,15 @@ class GraphPool:
             pointers from a pinned ring table: no extra launch), ``"torch"`` (a slice copy and a tail fill
             per input, from Python), or ``"auto"`` (ring for CUDA graphs, torch for the eager twin).
         ring_slots: how many steps the host may run ahead of the GPU before :meth:`run` waits.
+        fast_checks: check inputs with the C++ checker (``graphpool.native``) where it builds; the
+            Python checks raise the same errors, ~0.5 us slower per input.
 
     .. warning:: read the graph-safety rules in this module's docstring before writing a step function.
     """
 
     def __init__(self, modes: Sequence[Mode], inputs: Sequence[StepInput], batch_sizes: Sequence[int],
                  device: torch.device | str | None = None, backend: str = "auto", on_miss: str = "eager",
-                 memory_pool: Any = None, staging: str = "auto", ring_slots: int = 64):
+                 memory_pool: Any = None, staging: str = "auto", ring_slots: int = 64, fast_checks: bool = True):
         if on_miss not in ("eager", "raise"):
             raise ValueError(f"on_miss must be 'eager' or 'raise', got {on_miss!r}")
         if device is None:
@@ -148,6 +152,7 @@ class GraphPool:
         # The real batch size is read off one input: a per-sequence one if any, else a per-token one.
         self._bs_index = next((i for i, s in enumerate(self._specs) if s.per == "seq"), 0)
         self._plans: dict[str, _ModePlan] = {}  # filled by capture(); empty means "not captured"
+        self._checker = make_input_checker(self._specs, self._device_index, self._bs_index) if fast_checks else None
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
         self._failure: str | None = None
@@ -286,20 +291,25 @@ class GraphPool:
         plan = self._plans.get(mode)
         if plan is None:
             self._check_ready(mode)
-        ordered, real_bs, pointers = self._validate(plan, inputs)
+        ring = self._ring
+        row = ring.next_row() if ring is not None else 0
+        # The C++ checker validates and writes the ring row in one call; on any mismatch (or without it)
+        # the Python checks run, and they raise the typed error that explains it.
+        real_bs = self._checker.check(inputs, plan.mode.tokens_per_seq, row) if self._checker is not None else -1
+        if real_bs < 0:
+            real_bs, pointers = self._validate(plan, inputs)
+            if ring is not None:
+                ring.write(row, real_bs, pointers)
         entries = plan.entries
         entry = entries[real_bs] if real_bs < len(entries) else None
         if entry is None:
-            return self._miss_step(plan.mode, real_bs, inputs, ordered)
-        ring = self._ring
+            return self._miss_step(plan.mode, real_bs, inputs)
         if ring is None:
-            stage_with_torch(self.buffers, entry.key, ordered)
-        else:
-            ring.write(real_bs, pointers)
-            if entry.stage_graph is not None:
-                self.backend.replay(entry.stage_graph)
-                ring.issued += 1
-        return Step(plan.mode, real_bs, entry.batch, entry, ordered)
+            stage_with_torch(self.buffers, entry.key, [inputs[name] for name in self._names])
+        elif entry.stage_graph is not None:
+            self.backend.replay(entry.stage_graph)
+            ring.issued += 1
+        return Step(plan.mode, real_bs, entry.batch, entry, inputs)
 
     def replay(self, step: Step) -> Outputs:
         """Run a staged step: ``prepare``, then the graph (or the eager miss path); outputs sliced."""
@@ -350,12 +360,10 @@ class GraphPool:
                                f"Fix the cause and call pool.capture(step_fn) again before running steps")
         raise NotCapturedError(f"mode {mode!r} has no graphs yet: call pool.capture(step_fn) before pool.run")
 
-    def _validate(self, plan: _ModePlan, inputs: Mapping[str, torch.Tensor]
-                  ) -> tuple[list[torch.Tensor], int, list[int]]:
-        """Check every input against its declaration (dtype, shape, device, contiguity).
-
-        Returns the inputs in declaration order, the real batch size and their data pointers. This is
-        the hot path: one expected-shape tuple per input is looked up, not computed.
+    def _validate(self, plan: _ModePlan, inputs: Mapping[str, torch.Tensor]) -> tuple[int, list[int]]:
+        """Check every input against its declaration (dtype, shape, device, contiguity) and raise the
+        typed error for the first that does not fit; returns the real batch size and the data pointers.
+        The hot path where the C++ checker is unavailable: expected shapes are looked up, not computed.
         """
         mode = plan.mode
         try:
@@ -381,7 +389,7 @@ class GraphPool:
         except (AttributeError, ValueError):
             spec = self._specs[len(pointers)]
             self._raise_input(mode, spec, ordered[len(pointers)], real_bs)
-        return ordered, real_bs, pointers
+        return real_bs, pointers
 
     def _raise_names(self, mode: Mode, inputs: Mapping[str, Any]) -> None:
         missing = [s.name for s in self._specs if s.name not in inputs]
@@ -423,8 +431,7 @@ class GraphPool:
             f"mode {mode.name!r} takes {tps} token(s) per sequence: input {spec.name!r} needs {per} rows for "
             f"batch size {real_bs} (read from {source!r}), got {got}{hint}")
 
-    def _miss_step(self, mode: Mode, real_bs: int, inputs: Mapping[str, torch.Tensor],
-                   ordered: tuple[torch.Tensor, ...]) -> Step:
+    def _miss_step(self, mode: Mode, real_bs: int, inputs: Mapping[str, torch.Tensor]) -> Step:
         largest = self.keys.max_bs[mode.name]
         if self.on_miss == "raise":
             raise BatchTooLargeError(
@@ -433,7 +440,7 @@ class GraphPool:
                 f"pool with on_miss='eager'")
         self.stats.misses[f"{mode.name}: bs > {largest}"] += 1
         batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, dict(inputs), captured=False)
-        return Step(mode, real_bs, batch, None, ordered)
+        return Step(mode, real_bs, batch, None, inputs)
 
 
 @contextmanager

@@ -45,21 +45,26 @@ class RingStager:
         self.meta = buffers.kernel_meta()
         self._row = struct.Struct(f"<{width}q")
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
+        self._ring_address = self.ring.data_ptr()
         self._done = self.done.numpy()
         self._max_bytes = {key: max(s.rows(key.bs, keys.modes[key.mode].tokens_per_seq) * buffers.row_bytes(s)
                                     for s in buffers.specs) for key in keys.keys}
         self.issued = 0  # steps whose staging kernel has been launched for execution (not captured)
 
-    def write(self, real_bs: int, pointers: Sequence[int]) -> None:
-        """Publish this step's batch size and source pointers (declaration order) for the next staging
-        kernel to execute."""
+    def next_row(self) -> int:
+        """Address of the ring row the next executed staging kernel reads. Waits for the GPU first in
+        the rare case that the row still belongs to a step it has not run yet."""
         if self.issued - self._done[0] >= self.slots:
-            self._synchronize()  # the row we would overwrite may still be unread by a queued step
-        self._row.pack_into(self._ring_bytes, (self.issued % self.slots) * self._row.size, real_bs, *pointers)
+            self._synchronize()
+        return self._ring_address + (self.issued % self.slots) * self._row.size
+
+    def write(self, row: int, real_bs: int, pointers: Sequence[int]) -> None:
+        """Fill the row at ``row`` (from :meth:`next_row`) with the batch size and source pointers."""
+        self._row.pack_into(self._ring_bytes, row - self._ring_address, real_bs, *pointers)
 
     def write_self_copy(self, key: GraphKey) -> None:
         """A row that stages every static view onto itself (used for warm-up runs before capture)."""
-        self.write(key.bs, [t.data_ptr() for t in self._buffers.views[key].values()])
+        self.write(self.next_row(), key.bs, [t.data_ptr() for t in self._buffers.views[key].values()])
 
     def launch(self, key: GraphKey) -> None:
         """The staging kernel and the counter advance for ``key``: call inside the graph's capture."""

@@ -13,9 +13,12 @@ import graphpool as gp
 from graphpool import GraphKey
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# (device, staging): the eager twin with torch staging, the twin with the ring kernel (Triton's interpreter
-# on CPU), and real CUDA graphs with the ring kernel as each graph's first node.
-SETUPS = [("cpu", "torch"), ("cpu", "ring"), pytest.param(("cuda", "auto"), marks=pytest.mark.gpu)]
+# (device, staging, input checks): the eager twin with torch staging, the twin with the ring kernel (Triton's
+# interpreter on CPU), and real CUDA graphs with the ring kernel as each graph's first node; the C++ input
+# checker where it builds, and the Python checks.
+SETUPS = [("cpu", "torch", "cpp"), ("cpu", "ring", "cpp"), ("cpu", "torch", "python"),
+          pytest.param(("cuda", "auto", "cpp"), marks=pytest.mark.gpu),
+          pytest.param(("cuda", "auto", "python"), marks=pytest.mark.gpu)]
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 VERIFY_TOKENS = 16
 NUM_SLOTS = 4096
@@ -84,8 +87,8 @@ def build(device: str, **kwargs) -> tuple[gp.GraphPool, ToyStep]:
 
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda p: "-".join(p))
 def built(request) -> tuple[gp.GraphPool, ToyStep, str]:
-    device, staging = request.param
-    pool, step = build(device, staging=staging)
+    device, staging, checks = request.param
+    pool, step = build(device, staging=staging, fast_checks=checks == "cpp")
     return pool, step, device
 
 
@@ -251,7 +254,7 @@ def test_policy_hysteresis():
 @pytest.mark.parametrize("setup", SETUPS, ids=lambda p: "-".join(p))
 def test_prepare_sees_staged_inputs_before_replay(setup):
     """With a prepare hook, staging runs before it (outside the main graph), as attention metadata needs."""
-    device, staging = setup
+    device, staging, _ = setup
     modes = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
     pool = gp.GraphPool(modes, make_inputs(), [2, 4, 8], device=device, staging=staging)
     step = ToyStep(device)
@@ -278,3 +281,41 @@ def test_prepare_sees_staged_inputs_before_replay(setup):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
         padded = pool.route(mode_name, bs) or bs
         assert seen == [(mode_name, padded, bs, True)]
+
+
+def test_cpp_checker_agrees_with_python_checks():
+    """The C++ checker accepts exactly what the Python checks accept, with the same batch size and pointers."""
+    from graphpool.native import extension_available, make_input_checker
+    if not extension_available():
+        pytest.skip("the C++ extension did not build here")
+    pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 4)], make_inputs(), [1, 2, 8], device="cpu",
+                        fast_checks=False)
+    pool.capture(ToyStep("cpu"), progress=False)
+    checker = make_input_checker(pool.buffers.specs, -1, pool._bs_index)
+    row = torch.zeros(1 + len(pool.buffers.specs), dtype=torch.int64)
+    rng = random.Random(42)
+    mutations = [
+        lambda x: x.pop("positions"),
+        lambda x: x.update(extra=x["positions"]),
+        lambda x: x.update(seq_lens=x["seq_lens"].long()),
+        lambda x: x.update(input_ids=x["input_ids"][:-1]),
+        lambda x: x.update(features=x["features"][:, :2].contiguous()),
+        lambda x: x.update(features=torch.zeros(x["features"].shape[0], 4, 3)),
+        lambda x: x.update(out_cache_loc=torch.stack([x["out_cache_loc"]] * 2, 1)[:, 0]),
+        lambda x: x.update(req_pool_indices=x["req_pool_indices"].view(1, -1)),
+        lambda x: x.update(positions="not a tensor"),
+        lambda x: x.update(seq_lens=x["seq_lens"][:0], req_pool_indices=x["req_pool_indices"][:0]),
+        lambda x: None,  # valid
+    ]
+    for trial in range(300):
+        mode = pool.keys.modes[rng.choice(["decode", "verify"])]
+        inputs = random_step(mode, rng.randint(1, 12), "cpu", rng)
+        rng.choice(mutations)(inputs)
+        row.fill_(-1)
+        got = checker.check(inputs, mode.tokens_per_seq, row.data_ptr())
+        try:
+            real_bs, pointers = pool._validate(pool._plans[mode.name], inputs)
+        except gp.GraphPoolError:
+            assert got < 0, f"trial {trial}: C++ accepted what Python rejects"
+            continue
+        assert got == real_bs and row.tolist() == [real_bs, *pointers], f"trial {trial}"

@@ -1,0 +1,66 @@
+// The hot path of GraphPool.run in C++: check a step's inputs against their declarations and write the
+// step's ring-table row ([real_bs, data_ptr...]) in one call. In Python the same work costs ~0.5 us per
+// input (five attribute calls each); here it is a few nanoseconds. It never raises: it returns the real
+// batch size, or -(i + 1) for the first input i that does not fit, and Python's validation then raises
+// the typed error that says why (so the rules and messages live in one place, pool.py).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <vector>
+
+namespace {
+
+struct InputChecker {
+  std::vector<py::object> names;            // interned Python strings, looked up in the kwargs dict
+  std::vector<at::ScalarType> dtypes;
+  std::vector<std::vector<int64_t>> trailing;
+  std::vector<bool> per_token;
+  int64_t device_index;                     // -1: CPU
+  int64_t bs_index;                         // the input the real batch size is read from
+
+  InputChecker(std::vector<std::string> names_, std::vector<at::ScalarType> dtypes_,
+               std::vector<std::vector<int64_t>> trailing_, std::vector<bool> per_token_,
+               int64_t device_index_, int64_t bs_index_)
+      : dtypes(std::move(dtypes_)), trailing(std::move(trailing_)), per_token(std::move(per_token_)),
+        device_index(device_index_), bs_index(bs_index_) {
+    for (auto& n : names_) names.push_back(py::reinterpret_steal<py::object>(PyUnicode_InternFromString(n.c_str())));
+  }
+
+  // Returns the real batch size (and fills row[0] = real_bs, row[1 + i] = data_ptr of input i when
+  // row_address != 0), or -(i + 1) for the first input i that is missing or does not fit.
+  int64_t check(py::dict inputs, int64_t tokens_per_seq, int64_t row_address) const {
+    const int64_t n = static_cast<int64_t>(names.size());
+    if (static_cast<int64_t>(PyDict_Size(inputs.ptr())) != n) return -(n + 1);
+    int64_t real_bs = -1;
+    int64_t* row = reinterpret_cast<int64_t*>(row_address);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = (k == 0) ? bs_index : (k <= bs_index ? k - 1 : k);  // the batch-size input first
+      PyObject* obj = PyDict_GetItem(inputs.ptr(), names[i].ptr());
+      if (obj == nullptr || !THPVariable_Check(obj)) return -(i + 1);
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      const auto sizes = t.sizes();
+      if (sizes.size() != trailing[i].size() + 1) return -(i + 1);
+      if (real_bs < 0) {
+        real_bs = per_token[i] ? sizes[0] / tokens_per_seq : sizes[0];
+        if (real_bs < 1) return -(i + 1);
+      }
+      if (sizes[0] != (per_token[i] ? real_bs * tokens_per_seq : real_bs)) return -(i + 1);
+      for (size_t d = 0; d < trailing[i].size(); ++d)
+        if (sizes[d + 1] != trailing[i][d]) return -(i + 1);
+      if (t.scalar_type() != dtypes[i] || !t.is_contiguous()) return -(i + 1);
+      if (device_index < 0 ? !t.is_cpu() : (!t.is_cuda() || t.get_device() != device_index)) return -(i + 1);
+      if (row != nullptr) row[1 + i] = reinterpret_cast<int64_t>(t.data_ptr());
+    }
+    if (row != nullptr) row[0] = real_bs;
+    return real_bs;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<InputChecker>(m, "InputChecker")
+      .def(py::init<std::vector<std::string>, std::vector<at::ScalarType>, std::vector<std::vector<int64_t>>,
+                    std::vector<bool>, int64_t, int64_t>())
+      .def("check", &InputChecker::check);
+}

@@ -61,34 +61,40 @@ def load_step(spec: str | None) -> Callable[..., default_step.BenchStep]:
     return getattr(importlib.import_module(module), attr)
 
 
-def timed(stage: Callable[[], object], replay: Callable[[object], object], iters: int, warmup: int,
-          cuda: bool) -> dict[str, float]:
-    """Median host us of stage and replay (GPU idle at the start of each step), and median GPU us."""
+Method = tuple[Callable[[], object], Callable[[object], object]]  # (stage, replay)
+
+
+def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> dict[str, dict[str, float]]:
+    """Median host us of stage and replay (GPU idle at the start of each step) and median GPU us of the
+    step, per method. Methods take turns within every iteration, so drift in the machine's speed
+    (clocks, neighbours) reaches all of them alike and their medians compare."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
-        replay(stage())
-    stage_us, replay_us, gpu_us = [], [], []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        s = stage()
-        t1 = time.perf_counter()
-        replay(s)
-        t2 = time.perf_counter()
-        stage_us.append((t1 - t0) * 1e6)
-        replay_us.append((t2 - t1) * 1e6)
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            sync()
-            start.record()
+        for stage, replay in methods.values():
             replay(stage())
-            end.record()
-            end.synchronize()
-            gpu_us.append(start.elapsed_time(end) * 1e3)
+    samples = {name: ([], [], []) for name in methods}
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    for _ in range(iters):
+        for name, (stage, replay) in methods.items():
+            stage_us, replay_us, gpu_us = samples[name]
+            sync()
+            t0 = time.perf_counter()
+            s = stage()
+            t1 = time.perf_counter()
+            replay(s)
+            t2 = time.perf_counter()
+            stage_us.append((t1 - t0) * 1e6)
+            replay_us.append((t2 - t1) * 1e6)
+            if cuda:  # a second, event-timed run of the same step
+                sync()
+                start.record()
+                replay(stage())
+                end.record()
+                end.synchronize()
+                gpu_us.append(start.elapsed_time(end) * 1e3)
     med = statistics.median
-    return {"stage_us": med(stage_us), "replay_us": med(replay_us), "host_us": med(stage_us) + med(replay_us),
-            "gpu_us": med(gpu_us) if gpu_us else float("nan")}
+    return {name: {"stage_us": med(st), "replay_us": med(rp), "host_us": med(st) + med(rp),
+                   "gpu_us": med(gp) if gp else float("nan")} for name, (st, rp, gp) in samples.items()}
 
 
 def sglang_style(pool: gp.GraphPool, grouped: bool) -> Callable:
@@ -122,33 +128,33 @@ def bench_key(pools: dict[str, gp.GraphPool], step: default_step.BenchStep, mode
               args: argparse.Namespace, cuda: bool) -> dict[str, dict[str, float]]:
     inputs = step.sample(mode, bs)
     name = mode.name
-    results: dict[str, dict[str, float]] = {}
     ring_pool = pools["graphpool"]
-    results["graphpool"] = timed(lambda: ring_pool.stage(name, **inputs), ring_pool.replay, args.iters, args.warmup, cuda)
     eager_batch = gp.StepBatch(mode, bs, bs * mode.tokens_per_seq, inputs, captured=False)
-    results["eager"] = timed(lambda: None, lambda _: step.step_fn(eager_batch), args.iters, args.warmup, cuda)
-    if not cuda:
-        return results
-    prep_pool, plain = pools["graphpool+prep"], pools["plain"]
-    results["graphpool+prep"] = timed(lambda: prep_pool.stage(name, **inputs), prep_pool.replay,
-                                      args.iters, args.warmup, cuda)
-    ring = prep_pool._ring
-    key = gp.GraphKey(name, bs)
-    prep_graph = prep_pool.graph(name, bs)
-    pointers = [inputs[s.name].data_ptr() for s in prep_pool.buffers.specs]
+    methods: dict[str, Method] = {
+        "graphpool": (lambda: ring_pool.stage(name, **inputs), ring_pool.replay),
+        "eager": (lambda: None, lambda _: step.step_fn(eager_batch)),
+    }
+    if cuda:
+        prep_pool, plain = pools["graphpool+prep"], pools["plain"]
+        ring, key, prep_graph = prep_pool._ring, gp.GraphKey(name, bs), prep_pool.graph(name, bs)
+        pointers = [inputs[s.name].data_ptr() for s in prep_pool.buffers.specs]
 
-    def triton_stage() -> None:
-        ring.write(ring.next_row(), bs, pointers)
-        ring.launch(key)
-        ring.issued += 1
-    results["triton-launch"] = timed(triton_stage, lambda _: prep_graph.replay(), args.iters, args.warmup, cuda)
-    graph = plain.graph(name, bs)
-    plain.run(name, **inputs)  # stage once for the floor
-    results["floor"] = timed(lambda: None, lambda _: graph.replay(), args.iters, args.warmup, cuda)
-    for method, grouped in (("sglang", False), ("foreach", True)):
-        stage = sglang_style(plain, grouped)
-        results[method] = timed(lambda: stage(mode, bs, inputs), lambda _: graph.replay(), args.iters, args.warmup, cuda)
-    return results
+        def triton_stage() -> None:
+            ring.write(ring.next_row(), bs, pointers)
+            ring.launch(key)
+            ring.issued += 1
+
+        graph = plain.graph(name, bs)
+        plain.run(name, **inputs)  # stage once: the floor replays on buffers that already hold the step
+        sglang, foreach = sglang_style(plain, grouped=False), sglang_style(plain, grouped=True)
+        methods.update({
+            "floor": (lambda: None, lambda _: graph.replay()),
+            "graphpool+prep": (lambda: prep_pool.stage(name, **inputs), prep_pool.replay),
+            "triton-launch": (triton_stage, lambda _: prep_graph.replay()),
+            "sglang": (lambda: sglang(mode, bs, inputs), lambda _: graph.replay()),
+            "foreach": (lambda: foreach(mode, bs, inputs), lambda _: graph.replay()),
+        })
+    return timed(methods, args.iters, args.warmup, cuda)
 
 
 def check_against_eager(pool: gp.GraphPool, step: default_step.BenchStep, mode: gp.Mode, bs: int) -> float:

@@ -66,7 +66,7 @@ Method = tuple[Callable[[], object], Callable[[object], object]]  # (stage, repl
 
 def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> dict[str, dict[str, float]]:
     """Median host us of stage and replay (GPU idle at the start of each step) and median GPU us of the
-    step, per method. Methods take turns within every iteration, so drift in the machine's speed
+    step, per method. Methods take turns in blocks of ten steps, so drift in the machine's speed
     (clocks, neighbours) reaches all of them alike and their medians compare."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
@@ -74,18 +74,20 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
             replay(stage())
     samples = {name: ([], [], []) for name in methods}
     start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
-    for _ in range(iters):
+    block = 10  # consecutive steps of one method: its code stays in the CPU caches, as in a decode loop
+    for _ in range(max(1, iters // block)):
         for name, (stage, replay) in methods.items():
             stage_us, replay_us, gpu_us = samples[name]
-            sync()
-            t0 = time.perf_counter()
-            s = stage()
-            t1 = time.perf_counter()
-            replay(s)
-            t2 = time.perf_counter()
-            stage_us.append((t1 - t0) * 1e6)
-            replay_us.append((t2 - t1) * 1e6)
-            if cuda:  # a second, event-timed run of the same step
+            for _ in range(block):
+                sync()
+                t0 = time.perf_counter()
+                s = stage()
+                t1 = time.perf_counter()
+                replay(s)
+                t2 = time.perf_counter()
+                stage_us.append((t1 - t0) * 1e6)
+                replay_us.append((t2 - t1) * 1e6)
+            for _ in range(block if cuda else 0):  # the same steps again, timed on the GPU
                 sync()
                 start.record()
                 replay(stage())

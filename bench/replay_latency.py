@@ -10,6 +10,7 @@ alone) and the GPU time of the whole step (CUDA events). Methods:
   triton-launch    the same staging kernel launched eagerly from Python, then the step graph
   sglang           SGLang's way: tail fills when padded, then a slice ``copy_`` per buffer
   foreach          tail fills, then one ``torch._foreach_copy_`` per dtype group (SGLang 0.5.12's batching)
+  graph-pad        the same grouped copies of the real rows plus a device-side count; the graph pads
   eager            the step run eagerly, no graph
 
 Usage: ``python bench/replay_latency.py`` (embedded default step), ``--step my_module:make`` for your own
@@ -35,7 +36,7 @@ import graphpool as gp  # noqa: E402
 from bench import default_step  # noqa: E402
 
 log = logging.getLogger("replay_latency")
-GRAPH_METHODS = ["floor", "graphpool", "graphpool+prep", "triton-launch", "sglang", "foreach"]
+GRAPH_METHODS = ["floor", "graphpool", "graphpool+prep", "triton-launch", "sglang", "foreach", "graph-pad"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,14 +100,27 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
                    "gpu_us": med(gp) if gp else float("nan")} for name, (st, rp, gp) in samples.items()}
 
 
-def sglang_style(pool: gp.GraphPool, grouped: bool) -> Callable:
+def padding_in_graph(step_fn: Callable, specs: list[gp.StepInput], count: torch.Tensor) -> Callable:
+    """``step_fn`` preceded, inside the graph, by padding every input past a device-side count of real
+    sequences: the host then only copies the real rows and sets the count."""
+    def padded(batch: gp.StepBatch) -> object:
+        for spec in specs:
+            view = batch.inputs[spec.name]
+            rows_per_seq = batch.mode.tokens_per_seq if spec.per == "token" else 1
+            pad = torch.arange(view.shape[0], device=view.device) >= count * rows_per_seq
+            view.masked_fill_(pad.view(-1, *[1] * (view.dim() - 1)), spec.fill)
+        return step_fn(batch)
+    return padded
+
+
+def sglang_style(pool: gp.GraphPool, grouped: bool, fills: bool = True) -> Callable:
     """Staging as SGLang's runner does it: fills of the padded tails, then copies of the real rows."""
     buf = pool.buffers.full
     names = [s.name for s in pool.buffers.specs]
 
     def stage(mode: gp.Mode, padded: int, inputs: dict[str, torch.Tensor]) -> None:
         raw_bs = inputs["seq_lens"].shape[0]
-        if padded != raw_bs:
+        if fills and padded != raw_bs:
             buf["seq_lens"].fill_(1)
             buf["out_cache_loc"].zero_()
             buf["out_cache_loc_swa"].zero_()
@@ -126,8 +140,8 @@ def sglang_style(pool: gp.GraphPool, grouped: bool) -> Callable:
     return stage
 
 
-def bench_key(pools: dict[str, gp.GraphPool], step: default_step.BenchStep, mode: gp.Mode, bs: int,
-              args: argparse.Namespace, cuda: bool) -> dict[str, dict[str, float]]:
+def bench_key(pools: dict[str, gp.GraphPool], pad_count: torch.Tensor | None, step: default_step.BenchStep,
+              mode: gp.Mode, bs: int, args: argparse.Namespace, cuda: bool) -> dict[str, dict[str, float]]:
     inputs = step.sample(mode, bs)
     name = mode.name
     ring_pool = pools["graphpool"]
@@ -149,12 +163,19 @@ def bench_key(pools: dict[str, gp.GraphPool], step: default_step.BenchStep, mode
         graph = plain.graph(name, bs)
         plain.run(name, **inputs)  # stage once: the floor replays on buffers that already hold the step
         sglang, foreach = sglang_style(plain, grouped=False), sglang_style(plain, grouped=True)
+        pad_copy = sglang_style(pools["graph-pad"], grouped=True, fills=False)
+        pad_graph = pools["graph-pad"].graph(name, bs)
+
+        def copy_and_count() -> None:
+            pad_copy(mode, bs, inputs)
+            pad_count.fill_(bs)
         methods.update({
             "floor": (lambda: None, lambda _: graph.replay()),
             "graphpool+prep": (lambda: prep_pool.stage(name, **inputs), prep_pool.replay),
             "triton-launch": (triton_stage, lambda _: prep_graph.replay()),
             "sglang": (lambda: sglang(mode, bs, inputs), lambda _: graph.replay()),
             "foreach": (lambda: foreach(mode, bs, inputs), lambda _: graph.replay()),
+            "graph-pad": (copy_and_count, lambda _: pad_graph.replay()),
         })
     return timed(methods, args.iters, args.warmup, cuda)
 
@@ -202,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         pools["graphpool+prep"] = gp.GraphPool(modes, step.inputs, sizes, device=device, staging="ring")
         pools["plain"] = gp.GraphPool(modes, step.inputs, sizes, device=device, staging="torch")
+        pools["graph-pad"] = gp.GraphPool(modes, step.inputs, sizes, device=device, staging="torch")
+    pad_count = torch.zeros((), dtype=torch.int64, device=device)  # real sequences, for graph-pad's graphs
     for name, pool in pools.items():
         log.info("capturing %s pool ...", name)
-        pool.capture(step.step_fn, prepare=(lambda b, n: None) if name == "graphpool+prep" else None)
+        fn = padding_in_graph(step.step_fn, step.inputs, pad_count) if name == "graph-pad" else step.step_fn
+        pool.capture(fn, prepare=(lambda b, n: None) if name == "graphpool+prep" else None)
 
     rows: list[dict] = []
     total = len(modes) * len(sizes)
@@ -212,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("[%d/%d] timing %s bs=%d", i, total, mode.name, bs)
         key_stats = pools["graphpool"].stats.keys[gp.GraphKey(mode.name, bs)]
         match = check_against_eager(pools["graphpool"], step, mode, bs)
-        for method, r in bench_key(pools, step, mode, bs, args, cuda).items():
+        for method, r in bench_key(pools, pad_count, step, mode, bs, args, cuda).items():
             rows.append({"mode": mode.name, "bs": bs, "method": method, **r, "capture_ms": key_stats.capture_s * 1e3,
                          "graph_mib": key_stats.graph_bytes / 2**20, "token_match": match})
 
@@ -245,7 +269,7 @@ def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool
         return "\n".join(f"{m.name:<8} bs={b:<4} graphpool(eager twin) {get[m.name, b, 'graphpool']['host_us']:8.1f} us"
                          for m in modes for b in sizes)
     head = (f"{'mode':<7}{'bs':>5}{'floor':>8}{'gpool':>8}{'gp+prep':>8}{'triton':>8}{'sglang':>8}{'foreach':>8}"
-            f"{'eager':>9}{'gp stage':>9}{'gp ovh':>8}{'sgl ovh':>8}{'ratio':>7}{'GPU us':>8}{'match':>7}")
+            f"{'g-pad':>8}{'eager':>9}{'gp stage':>9}{'gp ovh':>8}{'sgl ovh':>8}{'ratio':>7}{'GPU us':>8}{'match':>7}")
     lines, ok = ["host us per step (median); ovh = host above floor; ratio = gp ovh / sglang ovh", head], True
     for m in modes:
         for b in sizes:
@@ -255,7 +279,7 @@ def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool
             ratio = gp_ovh / sgl_ovh if sgl_ovh > 0 else float("inf")
             ok &= ratio <= 0.1 and stage <= 10.0
             lines.append(f"{m.name:<7}{b:>5}{h['floor']:>8.1f}{h['graphpool']:>8.1f}{h['graphpool+prep']:>8.1f}"
-                         f"{h['triton-launch']:>8.1f}{h['sglang']:>8.1f}{h['foreach']:>8.1f}{h['eager']:>9.1f}"
+                         f"{h['triton-launch']:>8.1f}{h['sglang']:>8.1f}{h['foreach']:>8.1f}{h['graph-pad']:>8.1f}{h['eager']:>9.1f}"
                          f"{stage:>9.1f}{gp_ovh:>8.1f}{sgl_ovh:>8.1f}{ratio:>7.3f}"
                          f"{get[m.name, b, 'graphpool']['gpu_us']:>8.1f}{get[m.name, b, 'graphpool']['token_match']:>7.2f}")
     lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}")

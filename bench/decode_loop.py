@@ -13,6 +13,30 @@ twin (no CUDA graphs), in well under a minute: the numbers then show the loop wo
 
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
+
+Why the GPU default is the ``medium`` model (1.75 B parameters, bf16), with a draft that commits ~2.6
+tokens per verify step. Costs per step from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s;
+key length 256):
+
+    C    plain: GFLOP  GB   roofline ms    spec (4 draft passes + verify 16 C tokens): GFLOP  GB   ms
+    1              3  3.46  0.80                                                       64  5.31  1.23
+   16             56  3.52  0.82                                                     1018  5.41  1.57
+   32            112  3.59  0.83                                                     2037  5.51  2.71
+  128            447  3.99  0.93                                                     8147  6.14 10.31
+
+Plain decode stays weights-bound up to C = 128; verify turns compute-bound near C = 12. The first H200
+run (``small`` model, hidden 2048) also paid ~2.8 us per graph node: ~1.4 ms per plain step (~490
+nodes) and ~3.3 ms of fixed cost per speculative step (~910 nodes plus the host sync that reads the
+accept lengths), which hid the model entirely (plain 1.6 ms at C = 1 against a 0.17 ms roofline) so
+speculation won at every C. Adding those overheads and practical efficiencies (80 % of bandwidth, 65 %
+of peak, fp32 norm and rotary traffic, the three-fold KV gather) to the medium model's roofline gives
+t_plain ~ 2.4, 2.5, 2.6, 3.4 ms and t_spec ~ 4.9, 6.2, 8.6, 24 ms at C = 1, 16, 32, 128: a
+speculative step must commit 2.0, 2.5, 3.3, 7.1 tokens per sequence to break even. A draft committing
+~2.6 therefore wins ~1.25 x at C = 1, breaks even near C = 16 and loses by 1.3 x at C = 32 and 2.7 x at
+C = 128, the regime a real server sees. The model keeps the engine's kernel count on purpose: the
+dyn-eager variant's plain steps cost ~12 us of host time per op (~6 ms a step), and fewer ops would
+narrow the gap that graphs are meant to show. Outputs of 160-192 tokens outlast a plain run's window
+(99 steps), so plain and eager-plain windows compare decode steps, not prefills of new arrivals.
 """
 from __future__ import annotations
 
@@ -23,13 +47,16 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
+from bench.engine.costs import roofline_table, total_params  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 from bench.decode_report import LABELS, check_targets, plot, table  # noqa: E402
@@ -38,6 +65,25 @@ from graphpool import SpeculationPolicy  # noqa: E402
 log = logging.getLogger("decode_loop")
 
 FULL_C = [1, 2, 4, 8, 10, 16, 32, 64, 128]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model size and the benchmark settings that go with it (override any of them on the command line)."""
+
+    model: Callable[[], ModelConfig]
+    draft_noise: float   # sets the acceptance rate; see bench/engine/acceptance.py to measure it
+    prompt_len: int
+    min_new: int
+    max_new: int
+
+
+PRESETS = {
+    # ~2.6 tokens committed per verify step (measured on CPU in float32 with bench/engine/acceptance.py).
+    "medium": Preset(ModelConfig.medium, draft_noise=0.22, prompt_len=32, min_new=160, max_new=192),
+    "small": Preset(ModelConfig.small, draft_noise=0.05, prompt_len=32, min_new=64, max_new=128),
+    "tiny": Preset(ModelConfig.tiny, draft_noise=0.05, prompt_len=12, min_new=8, max_new=24),
+}
 QUICK_C = [1, 4, 16, 32, 128]
 CPU_C = [1, 2, 4, 8]
 
@@ -45,26 +91,27 @@ CPU_C = [1, 2, 4, 8]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    p.add_argument("--size", default="auto", choices=["auto", "small", "tiny"],
-                   help="model size: small (hidden 2048, 8 layers) on GPU, tiny on CPU by default")
+    p.add_argument("--size", default="auto", choices=["auto", *PRESETS],
+                   help="model size: medium (hidden 4096, 8 layers, 1.75 B) on GPU, tiny on CPU by default")
     p.add_argument("--dtype", default="auto", help="bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--concurrency", default=None, help=f"comma list (default GPU {FULL_C}, CPU {CPU_C})")
     p.add_argument("--quick", action="store_true", help=f"C in {QUICK_C} and fewer steps")
     p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 48 GPU, 10 CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 96 GPU, 48 quick, 10 CPU)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="each timed window lasts at least this long (default 0.4 GPU, 0 CPU)")
+                   help="each timed window lasts at least this long (default 0: windows end after --steps, so "
+                        "every variant sees the same arrivals)")
     p.add_argument("--threshold", default="auto",
                    help="speculate at batch sizes <= this; 'auto' takes the plain/spec crossover measured "
                         "in this run (needs both plain and spec)")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 32 GPU, 12 CPU")
-    p.add_argument("--min-new", type=int, default=None, help="default 64 GPU, 8 CPU")
-    p.add_argument("--max-new", type=int, default=None, help="default 128 GPU, 24 CPU")
+    p.add_argument("--prompt-len", type=int, default=None, help="default: the size's preset")
+    p.add_argument("--min-new", type=int, default=None, help="default: the size's preset")
+    p.add_argument("--max-new", type=int, default=None, help="default: the size's preset")
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--draft-steps", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
-    p.add_argument("--draft-noise", type=float, default=None, help="default: the SpecConfig default")
+    p.add_argument("--draft-noise", type=float, default=None, help="default: the size's preset")
     p.add_argument("--backend", default="auto", help="graphpool backend: auto, cuda or eager")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/decode_loop", help="output prefix (.json and .png)")
@@ -77,19 +124,19 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = args.device.startswith("cuda")
-    args.size = args.size if args.size != "auto" else ("small" if gpu else "tiny")
+    args.size = args.size if args.size != "auto" else ("medium" if gpu else "tiny")
     args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if gpu else "fp32")
     if args.concurrency:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
     else:
         args.concurrency = (QUICK_C if args.quick else FULL_C) if gpu else CPU_C
-    small = args.size == "small"
-    args.steps = args.steps or ((24 if args.quick else 48) if gpu else 10)
-    if args.min_seconds is None:
-        args.min_seconds = (0.25 if args.quick else 0.4) if gpu else 0.0
-    args.prompt_len = args.prompt_len or (32 if small else 12)
-    args.min_new = args.min_new or (64 if small else 8)
-    args.max_new = args.max_new or (128 if small else 24)
+    preset = PRESETS[args.size]
+    args.steps = args.steps or ((48 if args.quick else 96) if gpu else 10)
+    args.min_seconds = args.min_seconds or 0.0
+    args.prompt_len = args.prompt_len or preset.prompt_len
+    args.min_new = args.min_new or preset.min_new
+    args.max_new = args.max_new or preset.max_new
+    args.draft_noise = preset.draft_noise if args.draft_noise is None else args.draft_noise
     args.variants = [v for v in args.variants.split(",") if v]
     return args
 
@@ -110,7 +157,7 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
     return {"variant": variant, "concurrency": c, "tokens": st.tokens, "seconds": st.seconds,
             "tokens_per_s": st.tokens_per_s, "steps": st.steps, "mean_accept": st.mean_accept,
             "graph_misses": st.graph_misses, "catch_ups": st.catch_ups, "wall_s": time.perf_counter() - started,
-            "outputs": st.outputs}
+            "outputs": {**st.partial, **st.outputs}}
 
 
 def crossover(results: dict, cs: list[int]) -> int:
@@ -120,45 +167,78 @@ def crossover(results: dict, cs: list[int]) -> int:
     return max(wins, default=0)
 
 
+def choose_threshold(results: dict, cs: list[int]) -> tuple[int, int]:
+    """The policy's ``(off_above, on_at_or_below)`` from this run's plain and spec figures.
+
+    ``off_above`` is the candidate (0 or a swept C) under which "speculate at C <= off_above" loses the
+    least throughput summed over the sweep, relative to the better mode at each C: one noisy win of
+    speculation at a large C cannot drag the threshold up, as taking the largest winning C would.
+    ``on_at_or_below`` is the swept C below it (hysteresis: a server whose batch shrinks back to the
+    threshold does not flip modes every step)."""
+    def tps(v: str, c: int) -> float:
+        return results[(v, c)]["tokens_per_s"]
+
+    measured = [c for c in cs if ("spec", c) in results and ("plain", c) in results]
+    if not measured:
+        raise ValueError("--threshold auto needs the plain and spec variants; pass --threshold N instead")
+
+    def score(t: int) -> float:
+        return sum(tps("spec" if c <= t else "plain", c) / max(tps("spec", c), tps("plain", c)) for c in measured)
+
+    off = max([0] + measured, key=lambda t: (score(t), -t))
+    return off, max([c for c in measured if c < off], default=off)
+
+
 def match_rate(a: dict, b: dict) -> dict:
-    """Requests finished in both runs: the share with identical outputs, and the share of equal tokens."""
+    """Requests with output in both runs, compared over the tokens both produced (runs stop mid-request):
+    the share of requests whose common prefix is identical, and the share of equal tokens."""
     common = sorted(set(a) & set(b))
-    same = sum(a[r] == b[r] for r in common)
-    toks = sum(len(a[r]) for r in common)
-    eq = sum(x == y for r in common for x, y in zip(a[r], b[r]))
-    return {"requests": len(common), "identical": same / len(common) if common else None,
+    pairs = [(a[r][:n], b[r][:n]) for r in common for n in [min(len(a[r]), len(b[r]))] if n]
+    same = sum(x == y for x, y in pairs)
+    toks = sum(len(x) for x, _ in pairs)
+    eq = sum(p == q for x, y in pairs for p, q in zip(x, y))
+    return {"requests": len(pairs), "identical": same / len(pairs) if pairs else None,
             "tokens": eq / toks if toks else None}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parse_args(argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    cfg = ModelConfig.small() if args.size == "small" else ModelConfig.tiny()
-    kw = {} if args.draft_noise is None else {"draft_noise": args.draft_noise}
-    spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens, **kw)
+    cfg = PRESETS[args.size].model()
+    spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
+                      draft_noise=args.draft_noise)
     gpu = args.device.startswith("cuda")
-    print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}) in {args.dtype} on "
-          f"{args.device}" + ("" if gpu else " using graphpool's eager twin (no CUDA graphs on CPU)")
+    params = total_params(cfg)
+    print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
+          f"{cfg.intermediate_size}, {params / 1e9:.2f} B parameters) in {args.dtype} on {args.device}"
+          + ("" if gpu else " using graphpool's eager twin (no CUDA graphs on CPU)")
           + f"; C in {args.concurrency}; draft tree topk {spec.topk} x steps {spec.steps}, "
-          f"{spec.num_draft_tokens} tokens verified per sequence", flush=True)
+          f"{spec.num_draft_tokens} tokens verified per sequence; draft noise {spec.draft_noise}; "
+          f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                          dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True)
     print(f"built engine and captured {len(pool.keys.keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend)", flush=True)
+    roofline = roofline_table(cfg, spec, args.concurrency, engine.max_context)
+    print(roofline, flush=True)
     results: dict = {}
     first = [v for v in args.variants if not v.startswith("dynamic")]
     second = [v for v in args.variants if v.startswith("dynamic")]
     total, done = len(args.variants) * len(args.concurrency), 0
-    threshold = None
+    threshold = resume = None
     for phase in (first, second):
         if phase is second and phase:
-            threshold = (crossover(results, args.concurrency) if args.threshold == "auto" else int(args.threshold))
-            print(f"speculation threshold: speculate at batch size <= {threshold}"
-                  + (" (the measured plain/spec crossover)" if args.threshold == "auto" else ""), flush=True)
+            if args.threshold == "auto":
+                threshold, resume = choose_threshold(results, args.concurrency)
+            else:
+                threshold = resume = int(args.threshold)
+            print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume}"
+                  + (f" (from this run; spec beat plain up to C = {crossover(results, args.concurrency)})"
+                     if args.threshold == "auto" else ""), flush=True)
         for c in args.concurrency:
             for v in phase:
-                policy = SpeculationPolicy(threshold) if v.startswith("dynamic") else None
+                policy = SpeculationPolicy(threshold, resume) if v.startswith("dynamic") else None
                 r = results[(v, c)] = run_variant(engine, pool, v, c, args, policy)
                 done += 1
                 print(f"[{done}/{total}] {LABELS[v]:<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps {r['steps']}"
@@ -172,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
-            "threshold": threshold, "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
+            "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines(),
+            "crossover": crossover(results, args.concurrency), "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                                                     "graph_mib": pool.stats.graph_bytes / 2**20},
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks}, indent=1,

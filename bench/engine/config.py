@@ -1,7 +1,10 @@
 """Model and engine configuration for the reference engine.
 
-Two presets: :meth:`ModelConfig.small` is shaped like a small real model (the H200 benchmark),
-:meth:`ModelConfig.tiny` runs in well under a second per step on a CPU (CI and the eager-twin demo).
+Three presets: :meth:`ModelConfig.medium` (the H200 benchmark's default: ~1.7 B parameters, big enough
+that verifying 16 tokens per sequence costs real compute, see :mod:`bench.engine.costs`),
+:meth:`ModelConfig.small` (hidden 2048: at this size a step is bound by kernel count, not by the
+model, and speculation wins at every batch size), and :meth:`ModelConfig.tiny`, which runs in well under
+a second per step on a CPU (CI and the eager-twin demo).
 """
 from __future__ import annotations
 
@@ -53,6 +56,14 @@ class ModelConfig:
     def small(cls) -> "ModelConfig":
         """Shaped like a small real model: hidden 2048, 16 heads (4 KV heads), 8 layers, vocab 4096."""
         return cls()
+
+    @classmethod
+    def medium(cls) -> "ModelConfig":
+        """Llama-3-8B's layer shape (hidden 4096, 32 heads, MLP 14336) with 8 layers and 4 KV heads: 1.75 B
+        parameters, 3.5 GB in bf16. Plain decode reads all weights per step (weights-bound up to ~184
+        tokens per step on an H200); a verify step of 16 tokens x C sequences turns compute-bound near
+        C = 12, which is what makes speculation lose at large batch sizes."""
+        return cls(hidden_size=4096, num_heads=32, num_kv_heads=4, intermediate_size=14336)
 
     @classmethod
     def tiny(cls) -> "ModelConfig":

@@ -50,7 +50,8 @@ def make_requests(n: int, prompt_len: int, vocab: int, min_new: int, max_new: in
 
 @dataclass
 class RunStats:
-    """What one run measured (the timed window only, except ``outputs``)."""
+    """What one run measured (the timed window only, except ``outputs`` of finished requests and
+    ``partial`` outputs of the requests still running when the run stopped)."""
 
     variant: str
     concurrency: int
@@ -62,6 +63,7 @@ class RunStats:
     graph_misses: int = 0
     catch_ups: int = 0
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    partial: dict[int, list[int]] = field(default_factory=dict)  # unfinished requests: tokens so far
 
     @property
     def tokens_per_s(self) -> float:
@@ -174,9 +176,13 @@ class DecodeLoop:
         self._sync()
         stats.seconds = time.perf_counter() - t0 if t0 is not None else 0.0
         stats.graph_misses = sum(self.pool.stats.misses.values()) - misses0
+        partial = []
         for i, r in enumerate(reqs):  # unfinished requests free their rows too
+            if keep_outputs and done[i]:
+                partial.append((r.rid, eng.token_table[int(rows[i]), eng.prompt_len:eng.prompt_len + int(done[i])]))
             eng.rows.free(int(rows[i]))
         stats.outputs = {rid: t.cpu().tolist() for rid, t in pending_out}
+        stats.partial = {rid: t.cpu().tolist() for rid, t in partial}
         return stats
 
     def _admit(self, new: list[Request]) -> np.ndarray:

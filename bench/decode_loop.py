@@ -14,29 +14,34 @@ twin (no CUDA graphs), in well under a minute: the numbers then show the loop wo
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
 
-Why the GPU default is the ``medium`` model (1.75 B parameters, bf16), with a draft that commits ~2.6
-tokens per verify step. Costs per step from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s;
-key length 256):
+Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
+tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
 
-    C    plain: GFLOP  GB   roofline ms    spec (4 draft passes + verify 16 C tokens): GFLOP  GB   ms
-    1              3  3.46  0.80                                                       64  5.31  1.23
-   16             56  3.52  0.82                                                     1018  5.41  1.57
-   32            112  3.59  0.83                                                     2037  5.51  2.71
-  128            447  3.99  0.93                                                     8147  6.14 10.31
+     C   plain: GFLOP    GB  roofline ms   spec (4 draft passes + verify of 16 C tokens): GFLOP    GB     ms
+     1              3  3.46         0.80                                                     63  5.31   1.23
+    16             56  3.51         0.82                                                   1016  5.38   1.56
+    32            111  3.56         0.83                                                   2032  5.46   2.70
+   128            446  3.86         0.90                                                   8128  5.94  10.29
 
-Plain decode stays weights-bound up to C = 128; verify turns compute-bound near C = 12. The first H200
-run (``small`` model, hidden 2048) also paid ~2.8 us per graph node: ~1.4 ms per plain step (~490
-nodes) and ~3.3 ms of fixed cost per speculative step (~910 nodes plus the host sync that reads the
-accept lengths), which hid the model entirely (plain 1.6 ms at C = 1 against a 0.17 ms roofline) so
-speculation won at every C. Adding those overheads and practical efficiencies (80 % of bandwidth, 65 %
-of peak, fp32 norm and rotary traffic, the three-fold KV gather) to the medium model's roofline gives
-t_plain ~ 2.4, 2.5, 2.6, 3.4 ms and t_spec ~ 4.9, 6.2, 8.6, 24 ms at C = 1, 16, 32, 128: a
-speculative step must commit 2.0, 2.5, 3.3, 7.1 tokens per sequence to break even. A draft committing
-~2.6 therefore wins ~1.25 x at C = 1, breaks even near C = 16 and loses by 1.3 x at C = 32 and 2.7 x at
-C = 128, the regime a real server sees. The model keeps the engine's kernel count on purpose: the
-dyn-eager variant's plain steps cost ~12 us of host time per op (~6 ms a step), and fewer ops would
-narrow the gap that graphs are meant to show. Outputs of 160-192 tokens outlast a plain run's window
-(99 steps), so plain and eager-plain windows compare decode steps, not prefills of new arrivals.
+Plain decode stays weights-bound through C = 128; verify turns compute-bound near C = 12. Roofline is
+not the whole story: the first H200 run (``small`` model, hidden 2048) paid ~2.8 us per graph node,
+~1.4 ms per plain step (~490 nodes: plain 1.6 ms at C = 1 against a 0.17 ms roofline) and ~3.3 ms of
+fixed cost per speculative step (~930 nodes and the host sync that reads the accept lengths), which
+hid that model's compute, so speculation won at every C. Those overheads plus practical efficiencies
+(80 % of bandwidth, 65 % of peak, fp32 norm and rotary traffic, the three-fold KV gather) on top of
+the medium model's roofline give
+
+     C            1     8    16    32    64   128
+    t_plain ms  2.4   2.4   2.5   2.5   2.7   3.0
+    t_spec ms   4.9   5.2   6.2   8.4  13.3  23.3
+    break-even  2.0   2.1   2.5   3.3   5.0   7.9   tokens a verify step must commit per sequence
+
+so a draft committing ~2.6 wins ~1.25 x at C <= 8, breaks even near C = 16 and loses 1.25 x at C = 32
+and 3 x at C = 128, as speculation does on a real server. The engine keeps its kernel count on
+purpose: dyn-eager's plain steps cost ~12 us of host time per op (~440 ops, ~5.5 ms a step against
+~2.5-3 ms from a graph), and fewer ops would narrow the gap that graphs exist to close. Outputs of
+96-112 tokens outlast a plain run's window (83 steps), so plain and eager-plain windows hold decode
+steps only, not the prefills of new arrivals (a batch-1 prefill costs about one decode step here).
 """
 from __future__ import annotations
 
@@ -80,7 +85,7 @@ class Preset:
 
 PRESETS = {
     # ~2.6 tokens committed per verify step (measured on CPU in float32 with bench/engine/acceptance.py).
-    "medium": Preset(ModelConfig.medium, draft_noise=0.22, prompt_len=32, min_new=160, max_new=192),
+    "medium": Preset(ModelConfig.medium, draft_noise=0.22, prompt_len=32, min_new=96, max_new=112),
     "small": Preset(ModelConfig.small, draft_noise=0.05, prompt_len=32, min_new=64, max_new=128),
     "tiny": Preset(ModelConfig.tiny, draft_noise=0.05, prompt_len=12, min_new=8, max_new=24),
 }
@@ -97,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=None, help=f"comma list (default GPU {FULL_C}, CPU {CPU_C})")
     p.add_argument("--quick", action="store_true", help=f"C in {QUICK_C} and fewer steps")
     p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 96 GPU, 48 quick, 10 CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 10 CPU)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=None,
                    help="each timed window lasts at least this long (default 0: windows end after --steps, so "
@@ -131,7 +136,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     else:
         args.concurrency = (QUICK_C if args.quick else FULL_C) if gpu else CPU_C
     preset = PRESETS[args.size]
-    args.steps = args.steps or ((48 if args.quick else 96) if gpu else 10)
+    args.steps = args.steps or ((40 if args.quick else 80) if gpu else 10)
     args.min_seconds = args.min_seconds or 0.0
     args.prompt_len = args.prompt_len or preset.prompt_len
     args.min_new = args.min_new or preset.min_new
@@ -261,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, args.concurrency, out.with_suffix(".png"), title=f"{args.size} model, {args.dtype}, {meta['device']}")
     print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
     print(pool.stats.table())
-    print(table(results, args.concurrency, checks, gpu))
+    note = (f"crossover: spec beat plain up to C = {meta['crossover']}; dynamic speculated at batch size <= "
+            f"{threshold} (back on at <= {resume})" if threshold is not None else "")
+    print(table(results, args.concurrency, checks, gpu, note))
     return 0
 
 

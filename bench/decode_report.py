@@ -34,8 +34,9 @@ def check_targets(results: dict, cs: list[int]) -> list[dict]:
     return out
 
 
-def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True) -> str:
-    """The summary table printed last (the speed targets are judged on a GPU only)."""
+def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True, policy_note: str = "") -> str:
+    """The summary table printed last (the speed targets are judged on a GPU only); ``policy_note``, a line
+    on the crossover and the threshold the dynamic runs used, goes just above the targets line."""
     head = f"{'C':>4} " + " ".join(f"{LABELS[v]:>10}" for v in LABELS) + f" {'accept':>6} {'dyn/best':>9} {'dyn/eager':>9} {'match':>6}"
     lines = ["output tokens/s by concurrency C (accept: tokens committed per verify step; match: dynamic vs plain,"
              " identical requests)", head]
@@ -50,6 +51,8 @@ def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True) ->
         m = (results.get(("dynamic", c)) or {}).get("match_vs_plain", {}).get("identical")
         lines.append(f"{c:>4} " + " ".join(cells) + f" {acc} {best:>9} {eager:>9} "
                      + (f"{m:>6.2f}" if m is not None else f"{'-':>6}"))
+    if policy_note:
+        lines.append(policy_note)
     failed = [r["concurrency"] for r in checks if r.get("dyn_ok") is False or r.get("eager_ok") is False or r["misses"]]
     if not gpu:
         lines.append("targets: not judged on CPU (eager twin, no graphs: these figures show the loop runs, not speed)")

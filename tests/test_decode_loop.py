@@ -86,9 +86,11 @@ def test_variants_match_plain_decode_and_oracle_gpu():
 
 
 @pytest.mark.gpu
-def test_variants_match_plain_decode_small_model_fp32_gpu():
-    """The benchmark's model shape and draft tree (topk 4 x steps 4, 16 verified tokens), float32, CUDA graphs."""
-    _check_variants("cuda", ModelConfig.small(), SpecConfig())
+def test_variants_match_plain_decode_benchmark_model_fp32_gpu():
+    """The benchmark's model (medium, 1.75 B), draft noise and tree (topk 4 x steps 4, 16 verified tokens),
+    in float32 with CUDA graphs."""
+    from bench.decode_loop import PRESETS
+    _check_variants("cuda", ModelConfig.medium(), SpecConfig(draft_noise=PRESETS["medium"].draft_noise))
 
 
 def test_draft_kv_after_catch_up_equals_fresh_draft_prefill():

@@ -25,3 +25,28 @@ def test_help_exits_cleanly(capsys):
     with pytest.raises(SystemExit) as e:
         decode_loop.parse_args(["--help"])
     assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def _results(plain: dict, spec: dict) -> dict:
+    out = {("plain", c): {"tokens_per_s": t} for c, t in plain.items()}
+    out.update({("spec", c): {"tokens_per_s": t} for c, t in spec.items()})
+    return out
+
+
+def test_threshold_follows_the_crossover_and_ignores_a_stray_win():
+    cs = [1, 2, 4, 8, 10, 16, 32, 64, 128]
+    plain = {c: 400.0 * c for c in cs}
+    spec = {c: plain[c] * (1.3 if c <= 10 else 0.7) for c in cs}
+    spec[64] = plain[64] * 1.01  # one noisy win far above the crossover
+    res = _results(plain, spec)
+    assert decode_loop.crossover(res, cs) == 64  # the largest win, dragged up by the stray point
+    assert decode_loop.choose_threshold(res, cs) == (10, 8)  # off above 10, back on at <= 8
+    assert decode_loop.choose_threshold(_results(plain, {c: 2 * plain[c] for c in cs}), cs) == (128, 64)
+    assert decode_loop.choose_threshold(_results(plain, {c: plain[c] / 2 for c in cs}), cs) == (0, 0)
+
+
+def test_match_rate_compares_the_tokens_both_runs_produced():
+    a = {1: [5, 6, 7, 8], 2: [1, 2, 3], 3: [9]}
+    b = {1: [5, 6], 2: [1, 4, 3, 0], 4: [2]}
+    got = decode_loop.match_rate(a, b)
+    assert got == {"requests": 2, "identical": 0.5, "tokens": 4 / 5}

@@ -2,7 +2,7 @@
 
 Stable pieces (import them on their own):
 
-* :mod:`bench.engine.config`: :class:`ModelConfig` (``small()`` for the GPU, ``tiny()`` for CPU) and
+* :mod:`bench.engine.config`: :class:`ModelConfig` (``medium()`` for the GPU benchmark, ``small()``, ``tiny()`` for CPU) and
   :class:`SpecConfig`.
 * :mod:`bench.engine.model`: :class:`LlamaModel` (``forward(input_ids, positions, attn)``),
   :func:`build_target`, :func:`build_draft`.
@@ -10,6 +10,8 @@ Stable pieces (import them on their own):
   (plain tensors; slot 0 and row 0 are the dummies padded rows use).
 * :mod:`bench.engine.attention`: :class:`AttnMeta`, :class:`PagedAttention` (graph-safe), and the
   longhand :func:`reference_attention` oracle.
+* :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
+* :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 """
 from .attention import AttnMeta, PagedAttention, attend, reference_attention
 from .config import ModelConfig, SpecConfig, dtype_from_name

@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.engine.acceptance import measure, set_draft_noise
-from bench.engine.attention import _ALIGN
+from bench.engine.attention import key_len
 from bench.engine.config import ModelConfig, SpecConfig
 from bench.engine.costs import attention_flops, plain_step, spec_step, total_params
 from bench.engine.harness import build
@@ -36,14 +36,14 @@ def test_plain_and_spec_step_flops_match_torch_flop_counter():
     loop = DecodeLoop(engine, pool, "plain")
     rows = torch.from_numpy(loop._admit(make_requests(4, PROMPT, CFG.vocab_size, 24, 24)))
     lens = torch.full((4,), PROMPT)
-    key_len = engine.max_context + -(engine.max_context + 1) % _ALIGN + 1  # the decode step's padded gather
-    want = plain_step(CFG, 4, key_len).flops - attention_flops(CFG, 4, key_len, CFG.num_layers)
+    keys = key_len(engine.max_context, 1)
+    want = plain_step(CFG, 4, keys).flops - attention_flops(CFG, 4, keys, CFG.num_layers)
     assert _gemm_flops(lambda: engine.decode(lens, rows)) == want
     # The spec step's forwards have slightly different key lengths; the matmuls do not depend on them.
-    spec_cost = spec_step(CFG, spec, 4, key_len)
+    spec_cost = spec_step(CFG, spec, 4, keys)
     tokens = 4 * (spec.window + (spec.steps - 1) * spec.topk)
-    attn = (attention_flops(CFG, tokens, key_len, spec.draft_layers)
-            + attention_flops(CFG, 4 * spec.num_draft_tokens, key_len + spec.num_draft_tokens, CFG.num_layers))
+    attn = (attention_flops(CFG, tokens, keys, spec.draft_layers)
+            + attention_flops(CFG, 4 * spec.num_draft_tokens, keys + spec.num_draft_tokens, CFG.num_layers))
     assert _gemm_flops(lambda: engine.speculate(lens, rows)) == spec_cost.flops - attn
 
 

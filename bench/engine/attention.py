@@ -25,6 +25,11 @@ from .kv_cache import DUMMY_SLOT, KVCache
 _ALIGN = 16  # pad the key length so the fused SDPA kernels take the aligned-mask path
 
 
+def key_len(prefix_cols: int, extras: int) -> int:
+    """Keys per query in a step: the gathered prefix columns and extra slots, padded to ``_ALIGN``."""
+    return -(-(prefix_cols + extras) // _ALIGN) * _ALIGN
+
+
 @dataclass
 class AttnMeta:
     """Per-step attention metadata (every field a tensor computed in-graph or before it).
@@ -65,7 +70,7 @@ class AttnMeta:
         prefix_mask = (cols[None, :] < prefix_lens[:, None])[:, None, :].expand(bs, t, prefix_cols)
         idx = torch.cat([prefix_slots, extra_slots], dim=1)
         mask = torch.cat([prefix_mask, extra_mask], dim=2)
-        pad = -idx.shape[1] % _ALIGN
+        pad = key_len(prefix_cols, idx.shape[1] - prefix_cols) - idx.shape[1]
         if pad:
             idx = F.pad(idx, (0, pad), value=DUMMY_SLOT)
             mask = F.pad(mask, (0, pad), value=False)

@@ -77,16 +77,16 @@ class _Entry:
 class Step:
     """A validated, routed and staged step, returned by :meth:`GraphPool.stage`.
 
-    Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or the caller's tensors
-    on the eager miss path), ``key`` (the graph's key, ``None`` on a miss), ``inputs`` (the caller's
-    name -> tensor mapping).
+    Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or one holding the
+    caller's tensors on the eager miss path), ``key`` (the graph's key, ``None`` on a miss). The steps of
+    captured graphs are made once, at capture, and shared: treat them as read-only.
     """
 
-    __slots__ = ("mode", "real_bs", "batch", "entry", "inputs")
+    __slots__ = ("mode", "real_bs", "batch", "entry", "padded_rows")
 
-    def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: _Entry | None,
-                 inputs: Mapping[str, torch.Tensor]):
-        self.mode, self.real_bs, self.batch, self.entry, self.inputs = mode, real_bs, batch, entry, inputs
+    def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: _Entry | None):
+        self.mode, self.real_bs, self.batch, self.entry = mode, real_bs, batch, entry
+        self.padded_rows = (batch.bs - real_bs) * mode.tokens_per_seq
 
     @property
     def key(self) -> GraphKey | None:
@@ -99,7 +99,7 @@ class _ModePlan:
 
     mode: Mode
     shapes: list[tuple[tuple[int, ...], ...]]  # [real_bs] -> expected shape of every input
-    entries: list[_Entry | None]               # [real_bs] -> the graph that serves it
+    steps: list[Step | None]                   # [real_bs] -> the step of the graph that serves it
 
 
 class GraphPool:
@@ -209,9 +209,10 @@ class GraphPool:
         self.stats.keys = {key: entries[key].stats for key in self.keys.keys}
         for name, mode in self.keys.modes.items():
             sizes = range(1, self.keys.max_bs[name] + 1)
+            serving = [entries[GraphKey(name, self.keys.route(name, real_bs))] for real_bs in sizes]
             self._plans[name] = _ModePlan(
                 mode, [()] + [self._shapes(mode, real_bs) for real_bs in sizes],
-                [None] + [entries[GraphKey(name, self.keys.route(name, real_bs))] for real_bs in sizes])
+                [None] + [Step(mode, real_bs, e.batch, e) for real_bs, e in zip(sizes, serving)])
         log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order),
                  self.backend.name, time.perf_counter() - started, self.stats.graph_bytes / 2**20)
 
@@ -300,16 +301,17 @@ class GraphPool:
             real_bs, pointers = self._validate(plan, inputs)
             if ring is not None:
                 ring.write(row, real_bs, pointers)
-        entries = plan.entries
-        entry = entries[real_bs] if real_bs < len(entries) else None
-        if entry is None:
+        steps = plan.steps
+        step = steps[real_bs] if real_bs < len(steps) else None
+        if step is None:
             return self._miss_step(plan.mode, real_bs, inputs)
+        entry = step.entry
         if ring is None:
             stage_with_torch(self.buffers, entry.key, [inputs[name] for name in self._names])
         elif entry.stage_graph is not None:
             self.backend.replay(entry.stage_graph)
             ring.issued += 1
-        return Step(plan.mode, real_bs, entry.batch, entry, inputs)
+        return step
 
     def replay(self, step: Step) -> Outputs:
         """Run a staged step: ``prepare``, then the graph (or the eager miss path); outputs sliced."""
@@ -322,7 +324,7 @@ class GraphPool:
             self._prepare(entry.batch, real_bs)
         stats = entry.stats
         stats.replays += 1
-        stats.padded_rows += (entry.batch.bs - real_bs) * step.mode.tokens_per_seq
+        stats.padded_rows += step.padded_rows
         if entry.sliced is not None:
             entry.graph.replay()
             if entry.stages_in_graph:
@@ -338,7 +340,8 @@ class GraphPool:
         """The captured graph object of key (mode, bs) (a ``torch.cuda.CUDAGraph`` on the CUDA backend),
         for benchmarks and debugging: replaying it directly skips staging and slicing."""
         plan = self._plans.get(self.keys.mode(mode).name)
-        entry = plan.entries[bs] if plan is not None and 0 < bs < len(plan.entries) else None
+        step = plan.steps[bs] if plan is not None and 0 < bs < len(plan.steps) else None
+        entry = step.entry if step is not None else None
         if entry is None or entry.key.bs != bs:
             raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self.keys.sizes[mode]}")
         return entry.graph
@@ -440,7 +443,7 @@ class GraphPool:
                 f"pool with on_miss='eager'")
         self.stats.misses[f"{mode.name}: bs > {largest}"] += 1
         batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, dict(inputs), captured=False)
-        return Step(mode, real_bs, batch, None, inputs)
+        return Step(mode, real_bs, batch, None)
 
 
 @contextmanager

@@ -46,7 +46,7 @@ class RingStager:
         self._row = struct.Struct(f"<{width}q")
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
         self._ring_address = self.ring.data_ptr()
-        self._done = self.done.numpy()
+        self._done = memoryview(self.done.numpy()).cast("B").cast("q")  # fast scalar reads of GPU progress
         self._max_bytes = {key: max(s.rows(key.bs, keys.modes[key.mode].tokens_per_seq) * buffers.row_bytes(s)
                                     for s in buffers.specs) for key in keys.keys}
         self.issued = 0  # steps whose staging kernel has been launched for execution (not captured)

@@ -7,16 +7,50 @@ fallback. So this package is deliberately empty apart from ``kvcacheio``:
 a stand-in that answered every name would switch those fallbacks off.
 """
 
+import importlib.abc as _abc
+import importlib.machinery as _machinery
+import sys as _sys
+import types as _types
+
 import torch as _torch
+
+
+def _stand_in_attribute(name: str):
+    """Module-level ``__getattr__``: any kernel name imports, and fails loudly only if it is called."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def _not_available(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name} is a test stand-in; the real sgl-kernel is not installed")
+    return _not_available
+
+
+class _StandInSubmodules(_abc.MetaPathFinder, _abc.Loader):
+    """``sgl_kernel.<anything>`` that is not on disk here becomes a module answering every name."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.startswith(__name__ + "."):
+            return _machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _stand_in_attribute
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _answer_every_kernel_import() -> None:
+    global __getattr__
+    __getattr__ = _stand_in_attribute
+    _sys.meta_path.append(_StandInSubmodules())  # last: real files here (kvcacheio) are found first
+
 
 if _torch.cuda.is_available():
     # On a CUDA machine SGLang's modules import many kernels by name behind `if _is_cuda:` (no CPU
     # fallback is taken there). The tests drive SGLang's runner and routing with our own model and
-    # attention backend, which never call them: answer the import, and fail loudly if one is called.
-    def __getattr__(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def _not_available(*args, **kwargs):
-            raise NotImplementedError(f"sgl_kernel.{name} is a test stand-in; the real sgl-kernel is not installed")
-        return _not_available
+    # attention backend, which never call them: answer the imports, and fail loudly if one is called.
+    _answer_every_kernel_import()

@@ -390,3 +390,14 @@ def verify_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], drafts
 def make_requests(cfg: HarnessConfig, n: int, prompt_len: int, seed: int) -> Requests:
     g = torch.Generator().manual_seed(seed)
     return Requests([torch.randint(0, cfg.vocab, (prompt_len,), generator=g).tolist() for _ in range(n)])
+
+
+def forget_graph_memory_pool() -> None:
+    """Start the next "server" without SGLang's global graph memory pool, as a new process would.
+
+    Tests build several servers in one process. A graph pool is released with its last graph, and
+    capturing into the stale handle again trips a caching-allocator assertion (seen with torch 2.11).
+    """
+    from sglang.srt.model_executor import cuda_graph_runner
+
+    cuda_graph_runner.set_global_graph_memory_pool(None)

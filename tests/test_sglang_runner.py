@@ -227,3 +227,8 @@ def test_unsupported_server_is_refused_with_the_reasons():
     mr.server_args.pp_size = 2
     with pytest.raises(ValueError, match="two-batch overlap, pipeline parallelism"):
         MultiModeCudaGraphRunner(mr)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graph_memory_pool():
+    H.forget_graph_memory_pool()

@@ -168,3 +168,8 @@ def test_plain_decode_batch_records_the_slot_and_advances():
     with pytest.raises(ValueError, match="one row per sequence"):
         plain_decode_batch(mr, req_pool_indices=torch.tensor([3, 7]), seq_lens=lens, seq_lens_cpu=lens,
                            last_tokens=torch.tensor([11]), out_cache_loc=torch.tensor([40, 41]))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graph_memory_pool():
+    H.forget_graph_memory_pool()

@@ -285,6 +285,9 @@ class GraphPool:
 
         For the CUDA backend without ``prepare`` the copy itself happens in the graph's first node at
         :meth:`replay`; otherwise ``step.batch.inputs`` hold the staged, padded inputs on return.
+
+        .. warning:: replay each staged step before staging the next: a step's inputs live in buffers
+            (and a ring-table row) that the next ``stage`` rewrites.
         """
         return self._stage(mode, inputs)
 

@@ -3,16 +3,17 @@
 What is real SGLang here: ``ForwardMode``, ``ForwardBatch``, ``CaptureHiddenMode``, ``EagleVerifyInput``,
 ``LogitsProcessorOutput``, ``SpeculativeAlgorithm``, the ``AttentionBackend`` base class (its ``forward``
 dispatch) and ``ModelRunner._forward_raw`` / ``forward_decode`` / ``forward_extend``, bound to the
-stand-in, so every step is routed by SGLang's own code. What is ours: a tiny Llama-like model, a
-plain-torch paged attention backend implementing SGLang's graph hooks, a request-to-token table and a
-KV pool. Importing this module puts ``tests/stubs`` (torchvision, sgl_kernel stand-ins) on ``sys.path``.
+stand-in, so every step is routed by SGLang's own code. What is the reference engine's (:mod:`bench.engine`):
+the model (``LlamaModel``), the KV cache, the slot free list and the paged attention. What is ours: thin
+adapters to SGLang's surfaces (model ``forward(input_ids, positions, forward_batch)``, an attention backend
+with SGLang's graph hooks, an int32 ``req_to_token`` table). Importing this module puts ``tests/stubs``
+(torchvision, sgl_kernel stand-ins) on ``sys.path``.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -29,13 +30,17 @@ from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleVerifyInput  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
+from bench.engine import attention as engine_attention  # noqa: E402
+from bench.engine import kv_cache as engine_kv  # noqa: E402
+from bench.engine.config import ModelConfig  # noqa: E402
+from bench.engine.model import build_target  # noqa: E402
+
 
 @dataclass
 class HarnessConfig:
-    vocab: int = 48
-    hidden: int = 32
-    heads: int = 2
-    layers: int = 2
+    """The stand-in server: the engine's model shape, request and KV pool sizes, graph batch sizes."""
+
+    model: ModelConfig = ModelConfig.tiny()
     max_reqs: int = 64
     max_ctx: int = 192
     kv_slots: int = 40000
@@ -43,10 +48,19 @@ class HarnessConfig:
     batch_sizes: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     dtype: torch.dtype = torch.float64
 
+    @property
+    def vocab(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def hidden(self) -> int:
+        return self.model.hidden_size
+
 
 # ----------------------------------------------------------------------------------- KV state
 class ReqToTokenPool:
-    """Request row -> KV slot of each position (SGLang's ``req_to_token_pool`` surface)."""
+    """Request row -> KV slot of each position (SGLang's ``req_to_token_pool`` surface: int32, every row
+    a request, slots recorded per step; the engine's pool reserves slots per row up front instead)."""
 
     def __init__(self, size: int, max_ctx: int, device: torch.device):
         self.size = size
@@ -56,87 +70,89 @@ class ReqToTokenPool:
         self.req_to_token[indices] = values
 
 
-class KVPool:
-    """Per-layer K and V buffers indexed by slot; slot 0 is the dummy that padded tokens write."""
+class KVPool(engine_kv.KVCache):
+    """The engine's KV cache as SGLang's ``token_to_kv_pool``; slot 0 is the dummy that padded tokens write."""
 
-    def __init__(self, cfg: HarnessConfig, device: torch.device):
-        shape = (cfg.layers, cfg.kv_slots, cfg.heads, cfg.hidden // cfg.heads)
-        self.k_buffer = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=cfg.dtype, device=device)
-
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id].index_copy_(0, loc, k)
-        self.v_buffer[layer_id].index_copy_(0, loc, v)
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        """Every layer's K stacked, ``[layers, slots, kv_heads, head_dim]`` (a copy, for comparisons)."""
+        return torch.stack(self.k)
 
 
 class SlotAllocator:
-    """Hands out fresh KV slots (never reused: the harness is short)."""
+    """The engine's slot free list, handing out slots as an int64 tensor (SGLang's ``out_cache_loc``)."""
 
     def __init__(self, size: int):
-        self.size, self.next = size, 1
+        self.free_list = engine_kv.SlotAllocator(size)
 
     def alloc(self, n: int, device: torch.device) -> torch.Tensor:
-        if self.next + n > self.size:
-            raise RuntimeError(f"harness KV pool exhausted ({self.size} slots); raise HarnessConfig.kv_slots")
-        out = torch.arange(self.next, self.next + n, dtype=torch.int64, device=device)
-        self.next += n
-        return out
+        return torch.from_numpy(self.free_list.alloc(n)).to(device)
 
 
 # ----------------------------------------------------------------------------------- attention
-@dataclass
-class AttnMetadata:
-    """What the attention kernels read: each sequence's slots, its visible prefix, and the visibility
-    among the step's own tokens (``[bs, T, T]``; T = 1 for decode)."""
-
-    kv_slots: torch.Tensor
-    prefix_lens: torch.Tensor
-    tree_mask: torch.Tensor
-
-
 class TorchPagedAttention(AttentionBackend):
-    """Plain-torch paged attention with SGLang's CUDA graph hooks.
+    """SGLang's attention-backend surface over the engine's paged attention (:mod:`bench.engine.attention`).
+
+    A step's ``T`` tokens per sequence sit at positions ``[start, start + T)`` of ``req_to_token`` (SGLang
+    records a step's slots there before the forward). They attend the cache before ``start`` and each
+    other under the step's mask: ``[[True]]`` for DECODE, the tree of ``spec_info.custom_mask`` for
+    TARGET_VERIFY, causal for EXTEND. K and V are written at ``forward_batch.out_cache_loc``.
 
     Like FlashInfer it keeps DECODE and TARGET_VERIFY graph metadata apart (own static buffers per mode,
-    registered per (mode, bs) at capture), so replaying with another mode than captured fails loudly.
+    allocated once in ``init_cuda_graph_state`` and registered per (mode, bs) at capture), so replaying
+    with another mode than captured fails loudly.
     """
 
     def __init__(self, cfg: HarnessConfig, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool):
         self.cfg, self.req_to_token_pool, self.kv_pool = cfg, req_to_token_pool, kv_pool
-        self.forward_metadata: Optional[AttnMetadata] = None
+        self.forward_metadata: Optional[engine_attention.AttnMeta] = None
         self.graph_state_inits: List[Tuple[int, int]] = []
-        self.graph_meta: Dict[Tuple[ForwardMode, int], AttnMetadata] = {}
+        self.graph_meta: Dict[Tuple[ForwardMode, int], engine_attention.AttnMeta] = {}
         self.replay_log: List[Tuple[ForwardMode, int]] = []
 
     # eager path ------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         mode, bs = fb.forward_mode, fb.batch_size
-        slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices].long()
-        if mode.is_decode():
-            ones = torch.ones((bs, 1, 1), dtype=torch.bool, device=slots.device)
-            self.forward_metadata = AttnMetadata(slots, fb.seq_lens.long() - 1, ones)
-        elif mode.is_target_verify():
-            tree = _tree_from_custom_mask(fb.spec_info.custom_mask, fb.seq_lens[:bs].long(), self.cfg.draft_tokens)
-            self.forward_metadata = AttnMetadata(slots, fb.seq_lens.long(), tree)
-        elif mode == ForwardMode.EXTEND:  # uniform-length extend (prefill / draft extend): causal
+        if mode == ForwardMode.EXTEND:  # uniform-length extend (prefill / draft extend): causal
             t = fb.input_ids.shape[0] // bs
-            causal = torch.ones((t, t), dtype=torch.bool, device=slots.device).tril().expand(bs, t, t)
-            self.forward_metadata = AttnMetadata(slots, fb.seq_lens.long() - t, causal)
+            tree = torch.ones((t, t), dtype=torch.bool, device=fb.seq_lens.device).tril().expand(bs, t, t)
+        elif mode.is_decode() or mode.is_target_verify():
+            tree = self._tree(mode, bs, fb.seq_lens, fb.spec_info)
         else:
             raise ValueError(f"TorchPagedAttention: unsupported forward mode {mode.name}")
+        self.forward_metadata = self._meta(mode, bs, fb.req_pool_indices, fb.seq_lens, tree)
+
+    def _meta(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, tree) -> engine_attention.AttnMeta:
+        """The engine's metadata for ``bs`` sequences whose step tokens see each other under ``tree``."""
+        t, lens, rows = tree.shape[-1], seq_lens[:bs].long(), req_pool_indices[:bs]
+        # SGLang's seq_lens count a decode step's token and a prefill's tokens, not the drafts of a verify.
+        start = lens if mode.is_target_verify() else lens - t
+        table = self.req_to_token_pool.req_to_token
+        slots = table[rows[:, None], start[:, None] + torch.arange(t, device=lens.device)].long()
+        group = self.cfg.model.num_heads // self.cfg.model.num_kv_heads
+        return engine_attention.AttnMeta.build(table, rows, start, slots, slots, tree, self.cfg.max_ctx, group)
+
+    def _tree(self, mode: ForwardMode, bs: int, seq_lens, spec_info) -> torch.Tensor:
+        """``[bs, T, T]`` visibility among the step's tokens; rows past the real batch see all (finite)."""
+        t = self.cfg.draft_tokens if mode.is_target_verify() else 1
+        tree = torch.ones((bs, t, t), dtype=torch.bool, device=seq_lens.device)
+        if mode.is_target_verify() and spec_info is not None and spec_info.positions is not None:
+            raw = spec_info.positions.shape[0] // t
+            tree[:raw] = _tree_from_custom_mask(spec_info.custom_mask, seq_lens[:raw].long(), t)
+        return tree
 
     # graph path ------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.graph_state_inits.append((max_bs, max_num_tokens))
-        dev, ctx, t = self.req_to_token_pool.req_to_token.device, self.cfg.max_ctx, self.cfg.draft_tokens
-        self.static = {
-            ForwardMode.DECODE: AttnMetadata(torch.zeros((max_bs, ctx), dtype=torch.int64, device=dev),
-                                             torch.zeros((max_bs,), dtype=torch.int64, device=dev),
-                                             torch.ones((max_bs, 1, 1), dtype=torch.bool, device=dev)),
-            ForwardMode.TARGET_VERIFY: AttnMetadata(torch.zeros((max_bs, ctx), dtype=torch.int64, device=dev),
-                                                    torch.zeros((max_bs,), dtype=torch.int64, device=dev),
-                                                    torch.ones((max_bs, t, t), dtype=torch.bool, device=dev))}
+        dev = self.req_to_token_pool.req_to_token.device
+        rows, lens = torch.zeros(max_bs, dtype=torch.int64, device=dev), torch.ones(max_bs, dtype=torch.int64, device=dev)
+        self.static = {}
+        for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            meta = self._meta(mode, max_bs, rows, lens, self._tree(mode, max_bs, lens, None))
+            # Dense copies the graphs own (a one-token step's mask comes back as an expanded view).
+            self.static[mode] = replace(meta, write_slots=meta.write_slots.contiguous(),
+                                        gather_idx=meta.gather_idx.contiguous(), mask=meta.mask.contiguous())
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info):
@@ -147,7 +163,7 @@ class TorchPagedAttention(AttentionBackend):
         if forward_mode.is_decode() and spec_info is not None:
             raise ValueError("a DECODE graph with a spec_info is a draft decode; plain decode passes spec_info=None")
         s = self.static[forward_mode]
-        meta = AttnMetadata(s.kv_slots[:bs], s.prefix_lens[:bs], s.tree_mask[:bs])
+        meta = engine_attention.AttnMeta(bs, per_seq, s.write_slots[:bs * per_seq], s.gather_idx[:bs], s.mask[:bs])
         self.graph_meta[(forward_mode, bs)] = meta
         self._fill(meta, forward_mode, bs, req_pool_indices, seq_lens, None)
         self.forward_metadata = meta
@@ -161,45 +177,23 @@ class TorchPagedAttention(AttentionBackend):
         self.replay_log.append((forward_mode, bs))
         self.forward_metadata = meta
 
-    def _fill(self, meta: AttnMetadata, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info) -> None:
-        meta.kv_slots.copy_(self.req_to_token_pool.req_to_token[req_pool_indices[:bs]])
-        lens = seq_lens[:bs].long()
-        meta.prefix_lens.copy_(lens - 1 if mode.is_decode() else lens)
-        if mode.is_target_verify():
-            meta.tree_mask.fill_(True)  # padded rows: any finite attention
-            if spec_info is not None and spec_info.custom_mask is not None and spec_info.positions is not None:
-                raw = spec_info.positions.shape[0] // self.cfg.draft_tokens
-                meta.tree_mask[:raw].copy_(_tree_from_custom_mask(spec_info.custom_mask, lens[:raw],
-                                                                  self.cfg.draft_tokens))
+    def _fill(self, meta, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info) -> None:
+        """Write the step's metadata into a graph's static views (outside the graph)."""
+        step = self._meta(mode, bs, req_pool_indices, seq_lens, self._tree(mode, bs, seq_lens, spec_info))
+        for static, value in ((meta.write_slots, step.write_slots), (meta.gather_idx, step.gather_idx),
+                              (meta.mask, step.mask)):
+            static.copy_(value)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    # kernels (graph-safe: fixed shapes, no host sync) ----------------------------------------------
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, forward_batch)
+    # kernels (the engine's: graph-safe, fixed shapes, no host sync) -----------------------------------
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        # K and V go where SGLang says, out_cache_loc: padded graph rows carry the dummy slot there.
+        meta = replace(self.forward_metadata, write_slots=forward_batch.out_cache_loc)
+        return engine_attention.PagedAttention(self.kv_pool, meta)(layer.layer_id, q, k, v)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, forward_batch)
-
-    def _attend(self, q, k, v, layer, forward_batch):
-        meta = self.forward_metadata
-        self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        bs, t = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
-        heads, dim = k.shape[1], k.shape[2]
-        keys = self.kv_pool.k_buffer[layer.layer_id][meta.kv_slots]  # [bs, ctx, H, D]
-        values = self.kv_pool.v_buffer[layer.layer_id][meta.kv_slots]
-        ctx = meta.kv_slots.shape[1]
-        j = torch.arange(ctx, device=q.device)
-        rel = j[None, :] - meta.prefix_lens[:, None]  # position relative to the step's first token
-        in_step = (rel >= 0) & (rel < t)
-        tree = meta.tree_mask.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(bs, t, ctx))
-        allowed = (j[None, None, :] < meta.prefix_lens[:, None, None]) | (in_step[:, None, :] & tree)
-        qs = q.view(bs, t, heads, dim)
-        scores = torch.einsum("bthd,bjhd->bhtj", qs, keys) / math.sqrt(dim)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = torch.einsum("bhtj,bjhd->bthd", scores.softmax(-1), values)
-        return out.reshape(bs * t, heads * dim)
+    forward_decode = forward_extend = _attend
 
 
 def _tree_from_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, t: int) -> torch.Tensor:
@@ -222,43 +216,28 @@ def chain_custom_mask(prefix_lens: torch.Tensor, t: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- model
-class TinyLM(nn.Module):
-    """A two-layer pre-norm transformer with learned positions and SGLang's model ``forward`` signature."""
+class SGLangModel(nn.Module):
+    """The engine's ``LlamaModel`` (seeded random weights) behind SGLang's model ``forward`` signature,
+    attending through ``forward_batch.attn_backend``."""
 
-    def __init__(self, cfg: HarnessConfig, seed: int):
+    def __init__(self, cfg: HarnessConfig, seed: int, device: torch.device):
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        h = cfg.hidden
-        rand = lambda *s: nn.Parameter(torch.randn(*s, generator=g, dtype=cfg.dtype) / math.sqrt(s[-1]))  # noqa: E731
-        self.embed, self.pos = rand(cfg.vocab, h), rand(cfg.max_ctx, h)
-        self.qkv = nn.ParameterList([rand(3 * h, h) for _ in range(cfg.layers)])
-        self.o = nn.ParameterList([rand(h, h) for _ in range(cfg.layers)])
-        self.up = nn.ParameterList([rand(2 * h, h) for _ in range(cfg.layers)])
-        self.down = nn.ParameterList([rand(h, 2 * h) for _ in range(cfg.layers)])
-        self.head = rand(cfg.vocab, h)
-        self.attn_layers = [SimpleNamespace(layer_id=i, tp_q_head_num=cfg.heads, v_head_dim=h // cfg.heads)
-                            for i in range(cfg.layers)]
-        self.heads = cfg.heads
+        m = cfg.model
+        self.llama = build_target(m, seed=seed, device=device, dtype=cfg.dtype)
+        self.attn_layers = [SimpleNamespace(layer_id=i, tp_q_head_num=m.num_heads, tp_k_head_num=m.num_kv_heads,
+                                            head_dim=m.head_dim, v_head_dim=m.head_dim) for i in range(m.num_layers)]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
-        x = self.embed[input_ids] + self.pos[positions]
-        n, h = x.shape
-        for i, layer in enumerate(self.attn_layers):
-            q, k, v = (_norm(x) @ self.qkv[i].T).split(h, dim=-1)
-            shape = (n, self.heads, h // self.heads)
-            a = forward_batch.attn_backend.forward(q.reshape(shape), k.reshape(shape), v.reshape(shape), layer,
-                                                   forward_batch)
-            x = x + a @ self.o[i].T
-            x = x + torch.relu(_norm(x) @ self.up[i].T) @ self.down[i].T
-        hidden = _norm(x)
+        backend = forward_batch.attn_backend
+
+        def attn(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return backend.forward(q, k, v, self.attn_layers[layer_id], forward_batch)
+
+        hidden = self.llama(input_ids, positions, attn)
         want = forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL
-        return LogitsProcessorOutput(next_token_logits=hidden @ self.head.T,
+        return LogitsProcessorOutput(next_token_logits=self.llama.logits(hidden),
                                      hidden_states=hidden if want.need_capture() else None)
-
-
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 # ----------------------------------------------------------------------------------- model runner
@@ -283,9 +262,10 @@ class HarnessModelRunner:
         self.model_config = SimpleNamespace(is_encoder_decoder=False, hidden_size=cfg.hidden, vocab_size=cfg.vocab,
                                             dtype=cfg.dtype)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_reqs, cfg.max_ctx, device)
-        self.token_to_kv_pool = KVPool(cfg, device)
+        m = cfg.model
+        self.token_to_kv_pool = KVPool(m.num_layers, cfg.kv_slots, m.num_kv_heads, m.head_dim, cfg.dtype, device)
         self.attn_backend = TorchPagedAttention(cfg, self.req_to_token_pool, self.token_to_kv_pool)
-        self.model = TinyLM(cfg, model_seed).to(device)
+        self.model = SGLangModel(cfg, model_seed, self.device)
         self.graph_runner = None
         self.is_draft_worker = False
         self.hisparse_coordinator = None

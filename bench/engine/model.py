@@ -26,8 +26,14 @@ class AttentionFn(Protocol):
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms, rotary embeddings and logits compute in: float32 for bf16, fp16 and fp32 models
+    (stability), float64 for a float64 model (test oracles stay float64 end to end)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm; statistics in float32 for stability in bf16."""
+    """Root-mean-square norm; statistics in at least float32 (see :func:`stats_dtype`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -35,9 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x32.to(x.dtype) * self.weight
+        xs = x.to(stats_dtype(x.dtype))
+        xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xs.to(x.dtype) * self.weight
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +56,8 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> t
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding. ``x``: [N, heads, D]; ``cos``/``sin``: [N, D/2] (already gathered)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    dtype = stats_dtype(x.dtype)
+    x1, x2 = x[..., :half].to(dtype), x[..., half:].to(dtype)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
@@ -117,8 +124,8 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[num_tokens, vocab]`` (float32 so greedy argmax is stable across batch shapes)."""
-        return self.lm_head(hidden).float()
+        """Logits ``[num_tokens, vocab]`` in at least float32 (so greedy argmax is stable across batch shapes)."""
+        return self.lm_head(hidden).to(stats_dtype(hidden.dtype))
 
 
 @torch.no_grad()

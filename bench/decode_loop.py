@@ -268,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, args.concurrency, out.with_suffix(".png"), title=f"{args.size} model, {args.dtype}, {meta['device']}")
     print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
     print(pool.stats.table())
-    note = (f"crossover: spec beat plain up to C = {meta['crossover']}; dynamic speculated at batch size <= "
-            f"{threshold} (back on at <= {resume})" if threshold is not None else "")
+    if threshold is None:
+        note = ""
+    elif meta["crossover"] == 0:
+        note = "crossover: spec never beat plain here; dynamic decoded plainly at every batch size"
+    else:
+        note = (f"crossover: spec beat plain up to C = {meta['crossover']}; dynamic speculated at batch size <= "
+                f"{threshold} (back on at <= {resume})")
     print(table(results, args.concurrency, checks, gpu, note))
     return 0
 

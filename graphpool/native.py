@@ -49,4 +49,4 @@ def extension_available() -> bool:
     return _extension() is not None
 
 
-__all__ = ["make_input_checker", "extension_available", "torch"]
+__all__ = ["make_input_checker", "extension_available"]

@@ -268,13 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, args.concurrency, out.with_suffix(".png"), title=f"{args.size} model, {args.dtype}, {meta['device']}")
     print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
     print(pool.stats.table())
-    if threshold is None:
-        note = ""
-    elif meta["crossover"] == 0:
-        note = "crossover: spec never beat plain here; dynamic decoded plainly at every batch size"
-    else:
-        note = (f"crossover: spec beat plain up to C = {meta['crossover']}; dynamic speculated at batch size <= "
-                f"{threshold} (back on at <= {resume})")
+    note = ""
+    if threshold is not None:
+        seen = (f"spec beat plain up to C = {meta['crossover']}" if meta["crossover"] else "spec never beat plain")
+        chosen = (f"dynamic speculated at batch size <= {threshold} (back on at <= {resume})" if threshold
+                  else "dynamic decoded plainly at every batch size")
+        note = f"crossover: {seen}; {chosen}"
     print(table(results, args.concurrency, checks, gpu, note))
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -28,7 +29,8 @@ def _extension() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("graphpool: building the C++ input checker (first use of this torch version only)")
+        # Progress for a wait of up to a minute (first use per torch version only; cached afterwards).
+        sys.stderr.write("graphpool: building the C++ input checker (once per torch version) ...\n")
         return load(name="graphpool_input_check", sources=[SOURCE], extra_cflags=["-O2"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python checks still work
         log.warning("graphpool: C++ input checker unavailable (%s: %s); using Python checks (~0.5 us more per "

@@ -18,43 +18,48 @@ the test oracle).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is an extra: a CPU install stages with the reference below
+    triton = tl = None
 
 META_COLUMNS = 4  # dst_ptr, fill_ptr, row_bytes, per_token
 STAGE_BLOCK = 1024
 
 
-@triton.jit
-def _stage_kernel(ring_addr, step_ptr, meta_ptr, done_addr, padded_bs, tokens_per_seq, ring_slots, ring_width,
-                  BLOCK: tl.constexpr):
-    which = tl.program_id(0)   # which input
-    block = tl.program_id(1)   # which BLOCK-byte chunk of it
-    slot = tl.load(step_ptr) % ring_slots
-    row = ring_addr.to(tl.pointer_type(tl.int64)) + slot * ring_width
-    real_bs = tl.load(row)
-    src = tl.load(row + 1 + which).to(tl.pointer_type(tl.uint8))
-    meta = meta_ptr + which * 4
-    dst = tl.load(meta).to(tl.pointer_type(tl.uint8))
-    fill = tl.load(meta + 1).to(tl.pointer_type(tl.uint8))
-    row_bytes = tl.load(meta + 2)
-    rows_per_seq = tl.where(tl.load(meta + 3) != 0, tokens_per_seq, 1)
-    real_bytes = real_bs * rows_per_seq * row_bytes
-    total_bytes = padded_bs * rows_per_seq * row_bytes
-    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < total_bytes
-    real = offs < real_bytes
-    from_src = tl.load(src + offs, mask=inside & real, other=0)
-    from_fill = tl.load(fill + offs % row_bytes, mask=inside & (offs >= real_bytes), other=0)
-    tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
-    # The last program to arrive advances the step counter: by then every program has read it.
-    # (atomic_add is acq_rel, so each program's read of the counter is ordered before its arrival.)
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(step_ptr + 1, 1) == programs - 1:
-        tl.store(step_ptr + 1, 0)
-        step = tl.load(step_ptr) + 1
-        tl.store(step_ptr, step)
-        tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
+if triton is not None:  # without Triton only the reference (the eager twin's path) is here
+    @triton.jit
+    def _stage_kernel(ring_addr, step_ptr, meta_ptr, done_addr, padded_bs, tokens_per_seq, ring_slots, ring_width,
+                      BLOCK: tl.constexpr):
+        which = tl.program_id(0)   # which input
+        block = tl.program_id(1)   # which BLOCK-byte chunk of it
+        slot = tl.load(step_ptr) % ring_slots
+        row = ring_addr.to(tl.pointer_type(tl.int64)) + slot * ring_width
+        real_bs = tl.load(row)
+        src = tl.load(row + 1 + which).to(tl.pointer_type(tl.uint8))
+        meta = meta_ptr + which * 4
+        dst = tl.load(meta).to(tl.pointer_type(tl.uint8))
+        fill = tl.load(meta + 1).to(tl.pointer_type(tl.uint8))
+        row_bytes = tl.load(meta + 2)
+        rows_per_seq = tl.where(tl.load(meta + 3) != 0, tokens_per_seq, 1)
+        real_bytes = real_bs * rows_per_seq * row_bytes
+        total_bytes = padded_bs * rows_per_seq * row_bytes
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < total_bytes
+        real = offs < real_bytes
+        from_src = tl.load(src + offs, mask=inside & real, other=0)
+        from_fill = tl.load(fill + offs % row_bytes, mask=inside & (offs >= real_bytes), other=0)
+        tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+        # The last program to arrive advances the step counter: by then every program has read it.
+        # (atomic_add is acq_rel, so each program's read of the counter is ordered before its arrival.)
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        if tl.atomic_add(step_ptr + 1, 1) == programs - 1:
+            tl.store(step_ptr + 1, 0)
+            step = tl.load(step_ptr) + 1
+            tl.store(step_ptr, step)
+            tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
 
 
 def stage_launch(ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, done: torch.Tensor,
@@ -71,6 +76,9 @@ def stage_launch(ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, don
         tokens_per_seq: rows per sequence of per-token inputs in this mode.
         max_bytes: the largest ``padded rows x row_bytes`` over the inputs (sizes the grid).
     """
+    if triton is None:
+        raise RuntimeError("graphpool's ring staging needs Triton: pip install triton, or build the pool "
+                           "with staging='torch'")
     n_inputs = meta.shape[0]
     assert ring.dtype == torch.int64 and ring.dim() == 2 and ring.shape[1] == 1 + n_inputs, ring.shape
     assert ring.is_contiguous() and meta.is_contiguous() and meta.shape[1] == META_COLUMNS, meta.shape

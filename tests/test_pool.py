@@ -319,3 +319,21 @@ def test_cpp_checker_agrees_with_python_checks():
             assert got < 0, f"trial {trial}: C++ accepted what Python rejects"
             continue
         assert got == real_bs and row.tolist() == [real_bs, *pointers], f"trial {trial}"
+
+
+def test_eager_twin_works_without_triton():
+    """Triton is an extra: on a CPU install without it the eager twin stages with the torch reference."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, graphpool as gp\n"
+            "pool = gp.GraphPool([gp.Mode('decode', 1), gp.Mode('verify', 4)],\n"
+            "                    [gp.StepInput('ids', torch.int64, 'token'), gp.StepInput('lens', torch.int32, 'seq', fill=1)],\n"
+            "                    [2, 4], device='cpu', fast_checks=False)\n"
+            "pool.capture(lambda b: b.inputs['ids'] * 2, progress=False)\n"
+            "out = pool.run('verify', ids=torch.arange(12), lens=torch.ones(3, dtype=torch.int32))\n"
+            "assert torch.equal(out, torch.arange(12) * 2), out\n"
+            "assert pool.buffers.full['lens'].tolist() == [1, 1, 1, 1]\n"
+            "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -170,7 +170,29 @@ class GraphPool:
 
     @property
     def captured(self) -> bool:
+        """Whether :meth:`capture` has succeeded (and no later capture failed)."""
         return bool(self._plans)
+
+    @property
+    def modes(self) -> dict[str, Mode]:
+        """Name -> :class:`Mode`, as the pool was built."""
+        return dict(self.keys.modes)
+
+    @property
+    def batch_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Mode name -> the batch sizes its graphs are captured at, ascending."""
+        return dict(self.keys.sizes)
+
+    @property
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        """Every (mode, batch size) key the pool captures, in capture order (largest token count first)."""
+        return tuple(self.keys.capture_order())
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Staged steps whose staging the device has not executed yet (0 without ring staging)."""
+        ring = self._ring
+        return 0 if ring is None else ring.issued - int(ring.done[0])
 
     def capture(self, step_fn: StepFn, prepare: PrepareFn | None = None, warmup: int = 1,
                 progress: bool = True) -> None:

@@ -5,24 +5,25 @@ plain decode steps (one token per sequence). :class:`GraphPool` captures a graph
 (mode, batch size), all reading one set of static buffers and sharing one memory pool, and routes each
 step to the graph of its own mode.
 """
-import os as _os
+from ._layout import map_checkout_packages
 
-# setup.py installs the folders kernels/ and integrations/ as graphpool.kernels and graphpool.integrations.
-# In an uninstalled source checkout they sit beside this package: let the same names resolve there too.
-_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_checkout, "kernels", "stage.py")) and _checkout not in __path__:
-    __path__.append(_checkout)
+map_checkout_packages()
 
-from .errors import (BatchTooLargeError, CaptureError, GraphPoolError, InputDeviceError, InputDtypeError,
-                     InputRowsError, InputShapeError, MissingInputError, NotCapturedError, UnknownModeError)
-from .modes import GraphKey, Mode, StepInput
-from .policy import SpeculationPolicy
-from .pool import GraphPool, Step, StepBatch
-from .stats import KeyStats, PoolStats
+from .capture import CapturedGraph, StepBatch  # noqa: E402
+from .errors import (BatchTooLargeError, CaptureError, ConcurrentUseError, DeviceFaultError,  # noqa: E402
+                     GraphPoolError, IndexBoundsError, InputDeviceError, InputDtypeError, InputLayoutError,
+                     InputRowsError, InputShapeError, InputTypeError, MissingInputError, NotCapturedError,
+                     RingDesyncError, StaleStepError, StepOutputError, UnknownModeError)
+from .modes import GraphKey, Mode, StepInput  # noqa: E402
+from .policy import SpeculationPolicy  # noqa: E402
+from .pool import GraphPool, Step  # noqa: E402
+from .stats import KeyStats, PoolStats  # noqa: E402
 
 __all__ = [
-    "GraphPool", "Mode", "StepInput", "StepBatch", "Step", "GraphKey", "SpeculationPolicy", "PoolStats",
-    "KeyStats", "GraphPoolError", "UnknownModeError", "MissingInputError", "InputRowsError", "InputDtypeError",
-    "InputDeviceError", "InputShapeError", "BatchTooLargeError", "NotCapturedError", "CaptureError",
+    "GraphPool", "Mode", "StepInput", "StepBatch", "Step", "GraphKey", "CapturedGraph", "SpeculationPolicy",
+    "PoolStats", "KeyStats", "GraphPoolError", "UnknownModeError", "MissingInputError", "InputTypeError",
+    "InputRowsError", "InputDtypeError", "InputDeviceError", "InputShapeError", "InputLayoutError",
+    "IndexBoundsError", "BatchTooLargeError", "NotCapturedError", "CaptureError", "StepOutputError",
+    "ConcurrentUseError", "StaleStepError", "RingDesyncError", "DeviceFaultError",
 ]
 __version__ = "0.1.0"

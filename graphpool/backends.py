@@ -22,14 +22,12 @@ class EagerBackend:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def warmup(self, fn: Callable[[], Any]) -> None:
-        fn()
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        return fn()
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
-        return fn, None, 0  # nothing to record; the warm-up already ran fn once
-
-    def replay(self, captured: Captured) -> Any:
-        return captured()
+        """"Records" ``fn`` by keeping it; runs it once, as a capture would, for its outputs."""
+        return fn, fn(), 0
 
     def synchronize(self) -> None:
         pass
@@ -58,13 +56,14 @@ class CudaGraphBackend:
             self.synchronize()
             self.memory_pool = torch.cuda.graph_pool_handle()
 
-    def warmup(self, fn: Callable[[], Any]) -> None:
+    def warmup(self, fn: Callable[[], Any]) -> Any:
         # Warm up on the capture stream, so lazy initialisation (cuBLAS handles, Triton compiles,
         # allocator blocks) happens outside the graph, where it is allowed.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            fn()
+            out = fn()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return out
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
         """Capture ``fn``; returns the graph, its static outputs, and the bytes the pool grew by."""
@@ -84,9 +83,6 @@ class CudaGraphBackend:
             graph.capture_end()
         self.synchronize()
         return graph, out, torch.cuda.memory_reserved(self.device) - reserved
-
-    def replay(self, captured: Captured) -> Any:
-        captured.replay()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

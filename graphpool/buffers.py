@@ -18,9 +18,6 @@ class StaticBuffers:
     """One static tensor per input, its fill row, and precomputed per-key views."""
 
     def __init__(self, specs: Sequence[StepInput], keys: KeyTable, device: torch.device):
-        names = [s.name for s in specs]
-        if not specs or len(set(names)) != len(names):
-            raise ValueError(f"GraphPool needs a non-empty list of uniquely named StepInputs, got {names}")
         self.specs = tuple(specs)
         self.full: dict[str, torch.Tensor] = {}
         self.fill_rows: dict[str, torch.Tensor] = {}
@@ -38,12 +35,16 @@ class StaticBuffers:
         buf = self.full[spec.name]
         return buf[0].numel() * buf.element_size()
 
-    def kernel_meta(self) -> torch.Tensor:
-        """``[n_inputs, 4]`` int64 on the buffers' device: dst_ptr, fill_ptr, row_bytes, per_token."""
-        rows = [[self.full[s.name].data_ptr(), self.fill_rows[s.name].data_ptr(), self.row_bytes(s),
+    def kernel_meta(self) -> tuple[torch.Tensor, int, int]:
+        """What the staging kernel needs: ``[n_inputs, 4]`` int64 on the buffers' device (dst_ptr,
+        fill_ptr, row_words, per_token), the word size it copies in (the smallest element size, which
+        divides every input's rows and addresses), and the most words any key stages for one input."""
+        word = min(8, *(self.full[s.name].element_size() for s in self.specs))
+        rows = [[self.full[s.name].data_ptr(), self.fill_rows[s.name].data_ptr(), self.row_bytes(s) // word,
                  int(s.per == "token")] for s in self.specs]
+        max_words = max(self.full[s.name].shape[0] * (self.row_bytes(s) // word) for s in self.specs)
         device = next(iter(self.full.values())).device
-        return torch.tensor(rows, dtype=torch.int64, device=device)
+        return torch.tensor(rows, dtype=torch.int64, device=device), word, max_words
 
     @property
     def nbytes(self) -> int:

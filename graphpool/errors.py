@@ -30,8 +30,20 @@ class InputDtypeError(GraphPoolError, TypeError):
     """An input has a different dtype from its declaration."""
 
 
+class InputTypeError(GraphPoolError, TypeError):
+    """An input is not a ``torch.Tensor``."""
+
+
 class InputDeviceError(GraphPoolError, ValueError):
-    """An input lives on another device than the pool, or is not contiguous."""
+    """An input lives on another device than the pool."""
+
+
+class InputLayoutError(GraphPoolError, ValueError):
+    """An input is not contiguous (the pool copies rows as one block of memory)."""
+
+
+class IndexBoundsError(GraphPoolError, ValueError):
+    """Debug mode: an input holds a value outside its declared ``bounds``."""
 
 
 class InputShapeError(GraphPoolError, ValueError):
@@ -48,3 +60,23 @@ class NotCapturedError(GraphPoolError, RuntimeError):
 
 class CaptureError(GraphPoolError, RuntimeError):
     """Capture failed; the pool holds no graphs and refuses to run until captured again."""
+
+
+class StepOutputError(GraphPoolError, TypeError):
+    """A step function returned something the pool cannot slice and hand back (checked at capture)."""
+
+
+class ConcurrentUseError(GraphPoolError, RuntimeError):
+    """Two threads used one pool at once, or a step staged on one thread was replayed on another."""
+
+
+class StaleStepError(GraphPoolError, RuntimeError):
+    """A staged step was replayed after a later ``stage`` overwrote its inputs."""
+
+
+class RingDesyncError(GraphPoolError, RuntimeError):
+    """Debug mode: the host's and the device's count of executed staging steps differ."""
+
+
+class DeviceFaultError(GraphPoolError, RuntimeError):
+    """A CUDA error surfaced while the pool waited for the device (a step enqueued earlier faulted)."""

@@ -7,8 +7,10 @@ routing table of every mode are both derived from it, once, at construction.
 """
 from __future__ import annotations
 
+import difflib
+import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,31 +49,70 @@ class StepInput:
     """One declared input of a step.
 
     Args:
-        name: the keyword the caller passes to :meth:`GraphPool.run`.
+        name: the keyword the caller passes to :meth:`GraphPool.run` (not ``mode`` or ``copy``, which
+            are ``run``'s own parameters).
         dtype: the dtype every step must pass.
         per: ``"token"`` (``bs * tokens_per_seq`` rows, e.g. ``input_ids``) or ``"seq"``
             (``bs`` rows, e.g. ``seq_lens``).
         fill: the value written into padded rows, e.g. 1 for ``seq_lens`` or a dummy KV slot for
-            ``out_cache_loc``. It must be harmless for every kernel the step runs.
+            ``out_cache_loc``. It must be harmless for every kernel the step runs, and representable
+            in ``dtype`` (an integer input takes an integer fill).
         trailing: the shape after the row dimension (``()`` for one value per row).
+        bounds: ``(low, high)``: every value must lie in ``[low, high)``, e.g. ``(0, num_kv_slots)`` for
+            ``out_cache_loc``. The pool's debug mode checks it before each replay; the fast path trusts
+            it (an out-of-range index then faults or corrupts memory inside the step's kernels).
     """
 
     name: str
     dtype: torch.dtype
     per: Literal["token", "seq"] = PER_TOKEN
     fill: int | float = 0
-    trailing: tuple[int, ...] = field(default=())
+    trailing: Tuple[int, ...] = field(default=())
+    bounds: Optional[Tuple[int, int]] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"StepInput name must be a non-empty string, got {self.name!r}")
         if self.per not in (PER_TOKEN, PER_SEQ):
             raise ValueError(f"StepInput {self.name!r}: per must be 'token' or 'seq', got {self.per!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"StepInput {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
         object.__setattr__(self, "trailing", tuple(int(d) for d in self.trailing))
+        if any(d < 1 for d in self.trailing):
+            raise ValueError(f"StepInput {self.name!r}: every trailing dimension must be >= 1, got {self.trailing}")
+        _check_fill(self)
+        if self.bounds is not None:
+            low, high = (int(b) for b in self.bounds)
+            if not low < high:
+                raise ValueError(f"StepInput {self.name!r}: bounds must be (low, high) with low < high, "
+                                 f"got {self.bounds!r}")
+            if not low <= self.fill < high:
+                raise ValueError(f"StepInput {self.name!r}: the fill value {self.fill!r} lies outside the bounds "
+                                 f"[{low}, {high}); padded rows would break the bound they are meant to keep")
+            object.__setattr__(self, "bounds", (low, high))
 
     def rows(self, bs: int, tokens_per_seq: int) -> int:
         """Rows this input has in a step of ``bs`` sequences of ``tokens_per_seq`` tokens."""
         return bs * tokens_per_seq if self.per == PER_TOKEN else bs
+
+
+def _check_fill(spec: StepInput) -> None:
+    """Refuse a fill value that ``spec.dtype`` would silently change (0.7 in an int64 input becomes 0)."""
+    fill, dtype = spec.fill, spec.dtype
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        raise TypeError(f"StepInput {spec.name!r}: fill must be an int or float, got {type(fill).__name__}")
+    if dtype == torch.bool:
+        ok = fill in (0, 1)
+    elif dtype.is_floating_point:
+        ok = math.isnan(fill) or torch.tensor(fill, dtype=torch.float64).to(dtype).double().item() == fill
+    elif dtype.is_complex:
+        ok = True
+    else:
+        info = torch.iinfo(dtype)
+        ok = float(fill).is_integer() and info.min <= fill <= info.max
+    if not ok:
+        raise ValueError(f"StepInput {spec.name!r}: fill {fill!r} is not representable in {dtype} (it would become "
+                         f"{torch.tensor(fill).to(dtype).item()!r}); pick a fill value of that dtype")
 
 
 @dataclass(frozen=True, order=True)
@@ -122,10 +163,7 @@ class KeyTable:
         try:
             return self.modes[name]
         except (KeyError, TypeError):
-            raise UnknownModeError(
-                f"unknown mode {name!r}: this pool was built with modes {list(self.modes)}; "
-                f"add Mode({name!r}, tokens_per_seq) to GraphPool(...) or route the step to one of them"
-            ) from None
+            raise UnknownModeError(_unknown_mode_message(name, list(self.modes))) from None
 
     def route(self, name: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that serves ``real_bs`` sequences, ``None`` if too large."""
@@ -143,3 +181,13 @@ class KeyTable:
     def max_rows(self, spec: StepInput) -> int:
         """Rows of the one allocation of ``spec``: the most any key needs."""
         return max(spec.rows(k.bs, self.modes[k.mode].tokens_per_seq) for k in self.keys)
+
+
+def _unknown_mode_message(name: object, known: list[str]) -> str:
+    close = [m for m in known if isinstance(name, str) and m.lower() == name.lower()]
+    close = close or difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    if close:
+        return (f"unknown mode {name!r}: did you mean {close[0]!r}? This pool was built with modes {known} "
+                f"(mode names are case-sensitive)")
+    return (f"unknown mode {name!r}: this pool was built with modes {known}; "
+            f"add Mode({name!r}, tokens_per_seq) to GraphPool(...) or route the step to one of them")

@@ -1,25 +1,38 @@
-"""The optional C++ input checker: GraphPool.run's per-input checks at C++ speed.
+"""The optional C++ input checker: GraphPool's per-input checks at C++ speed, for CUDA pools.
 
-Checking six inputs in Python costs ~3-4 us per step (five attribute calls per tensor), as much as the
-graph replay itself. ``csrc/input_check.cpp`` does the same checks and writes the ring-table row in
-one call. It is compiled on first use with torch's JIT extension builder (about a minute, cached per
-torch version under ``TORCH_EXTENSIONS_DIR``); without a compiler, or with ``GRAPHPOOL_NO_EXTENSION=1``,
-the pool uses its Python checks, which raise the same errors.
+Checking six inputs in Python costs ~3-4 us per step (five attribute calls per tensor), as much as a
+graph replay. ``csrc/input_check.cpp`` does the same checks and writes the ring-table row in one call.
+It only pays where replays are that cheap, so only CUDA pools build it (the eager twin's steps cost
+milliseconds). It is compiled on first use with torch's extension builder (about a minute) into a cache
+folder keyed by torch version, Python version and the source's hash, so separate environments never
+rebuild each other's copy; "building" is said only when it builds. Without a compiler, or with
+``GRAPHPOOL_NO_EXTENSION=1``, the pool uses its Python checks, which accept and refuse the same steps.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
-from typing import Any, Sequence
+import sysconfig
+from typing import Any
 
 import torch
 
-from .modes import StepInput
+from .validation import InputRules
 
 log = logging.getLogger("graphpool")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "input_check.cpp")
+
+
+def _build_directory() -> str:
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}".replace("+", "_")
+    root = os.environ.get("GRAPHPOOL_EXTENSION_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "graphpool")
+    return os.path.join(root, tag)
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,25 +42,34 @@ def _extension() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        # Progress for a wait of up to a minute (first use per torch version only; cached afterwards).
-        sys.stderr.write("graphpool: building the C++ input checker (once per torch version) ...\n")
-        return load(name="graphpool_input_check", sources=[SOURCE], extra_cflags=["-O2"], verbose=False)
+        directory = _build_directory()
+        os.makedirs(directory, exist_ok=True)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        built = any(name.startswith("graphpool_input_check") and name.endswith((".so", suffix))
+                    for name in os.listdir(directory))
+        if not built:  # a wait of up to a minute deserves a line; a cached load does not
+            sys.stderr.write(f"graphpool: building the C++ input checker (once per torch version, cached in "
+                             f"{directory}) ...\n")
+        return load(name="graphpool_input_check", sources=[SOURCE], extra_cflags=["-O2"],
+                    build_directory=directory, verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python checks still work
         log.warning("graphpool: C++ input checker unavailable (%s: %s); using Python checks (~0.5 us more per "
                     "input per step)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
 
 
-def make_input_checker(specs: Sequence[StepInput], device_index: int, bs_index: int) -> Any:
-    """An ``InputChecker`` for these declarations, or ``None`` where the extension is unavailable."""
+def make_input_checker(rules: InputRules) -> Any:
+    """An ``InputChecker`` for these rules' declarations, or ``None`` where the extension is unavailable."""
     ext = _extension()
     if ext is None:
         return None
-    return ext.InputChecker([s.name for s in specs], [s.dtype for s in specs], [list(s.trailing) for s in specs],
-                            [s.per == "token" for s in specs], device_index, bs_index)
+    specs = rules.specs
+    return ext.InputChecker(list(rules.names), [s.dtype for s in specs], [list(s.trailing) for s in specs],
+                            [s.per == "token" for s in specs], rules.device_index, rules.bs_index)
 
 
 def extension_available() -> bool:
+    """Whether the C++ checker builds (or is cached) here; builds it if needed."""
     return _extension() is not None
 
 

@@ -1,19 +1,35 @@
-"""Slicing a step's outputs to the real rows, and copying them out of graph memory."""
+"""A step's outputs: what a step may return, slicing to the real rows, and fresh containers per run.
+
+A step returns a tensor, or a tuple, namedtuple, list or dict (nested as deep as you like) whose leaves
+are tensors or ``None``. :class:`OutputLayout` records that structure once, at capture, as a flat list of
+leaves plus a builder, so a CUDA-graph run hands back a *fresh container* around pre-made, pre-sliced
+views: the caller may pop or rebind keys of one result without touching the next, and no tensor is made
+per run.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-Outputs = Any  # a Tensor, a tuple/list of Tensors, or a dict str -> Tensor
+from .errors import StepOutputError
+
+Outputs = Any  # a Tensor, or a tuple/namedtuple/list/dict of Tensors (or None), nested
+Builder = Callable[[Sequence[Any]], Outputs]
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
 def map_outputs(out: Outputs, fn: Callable[[torch.Tensor], torch.Tensor]) -> Outputs:
-    """Apply ``fn`` to every tensor of a step's outputs, keeping their structure."""
+    """Apply ``fn`` to every tensor of a step's outputs, keeping their structure (namedtuples included)."""
     if isinstance(out, torch.Tensor):
         return fn(out)
     if isinstance(out, dict):
         return {k: map_outputs(v, fn) for k, v in out.items()}
+    if _is_namedtuple(out):
+        return type(out)(*(map_outputs(v, fn) for v in out))
     if isinstance(out, (tuple, list)):
         return type(out)(map_outputs(v, fn) for v in out)
     return out
@@ -36,3 +52,43 @@ def slice_outputs(out: Outputs, num_tokens: int, bs: int, real_tokens: int, real
 def clone_outputs(out: Outputs) -> Outputs:
     """Private copies of every output tensor (graph outputs are overwritten by the next replay)."""
     return map_outputs(out, torch.Tensor.clone)
+
+
+class OutputLayout:
+    """The structure of a step's outputs, checked once: leaves in order and how to rebuild the container.
+
+    Raises:
+        StepOutputError: the step returned something other than tensors (and ``None``) in tuples,
+            namedtuples, lists and dicts.
+    """
+
+    def __init__(self, out: Outputs, where: str):
+        if out is None or not isinstance(out, (torch.Tensor, tuple, list, dict)):
+            raise StepOutputError(f"{where}: the step function returned {type(out).__name__}; return a tensor, or a "
+                                  f"tuple, namedtuple, list or dict of tensors (graph outputs must be tensors)")
+        self.leaves: list[Any] = []
+        self.build: Builder = self._compile(out, where)
+
+    def _compile(self, out: Outputs, where: str) -> Builder:
+        if out is None or isinstance(out, torch.Tensor):
+            i = len(self.leaves)
+            self.leaves.append(out)
+            return lambda leaves: leaves[i]
+        if isinstance(out, dict):
+            keys = list(out)
+            parts = [self._compile(out[k], where) for k in keys]
+            return lambda leaves: {k: part(leaves) for k, part in zip(keys, parts)}
+        if isinstance(out, (tuple, list)):
+            parts = [self._compile(v, where) for v in out]
+            if _is_namedtuple(out):
+                make = type(out)._make
+                return lambda leaves: make([part(leaves) for part in parts])
+            kind = type(out)
+            return lambda leaves: kind([part(leaves) for part in parts])
+        raise StepOutputError(f"{where}: the step's outputs hold a {type(out).__name__}; every leaf must be a tensor "
+                              f"or None (return Python values outside the graph)")
+
+    def sliced_leaves(self, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> tuple[Any, ...]:
+        """The leaves cut to the real rows (made once per real batch size, at capture)."""
+        return tuple(None if t is None else slice_outputs(t, num_tokens, bs, real_tokens, real_bs)
+                     for t in self.leaves)

@@ -1,15 +1,26 @@
-"""Getting a step's inputs into the static buffers.
+"""Getting a step's inputs into the static buffers: one object owns it, on every path.
 
-Two stagers with one job each:
+Two stagers with one interface (``claim``, ``fill``, ``launch``, ``replayed``, ``self_copy``,
+``in_flight``, ``check_sync``):
 
 * :class:`RingStager` (CUDA graphs): the host writes one row ``[real_bs, src_ptr...]`` of a pinned ring
   table, and a kernel captured as the graph's first node gathers and pads every input on the GPU
   (``graphpool.kernels.stage``). No extra launch from Python, no host copy, no allocation.
-* :func:`stage_with_torch` (eager twin, and the reference): a slice ``copy_`` per input plus a tail fill.
+* :class:`TorchStager` (the eager twin, and the reference): a slice ``copy_`` per input plus a tail fill,
+  from Python, when the step is staged.
 
-Hazard the ring handles: the host may prepare step N+1 while step N is still queued on the GPU. Row
-``i % slots`` is only rewritten once the GPU has published (in ``done``) that it executed step ``i - slots``;
-if the host ever gets ``slots`` steps ahead it waits for the stream.
+What the ring stager owns, so that nothing else can get it wrong:
+
+* **The host's step count** (``issued``). It advances exactly when a staging kernel is *enqueued for
+  execution*: when :meth:`RingStager.launch` runs outside a capture (the eager twin, warm-up), or when a
+  captured graph holding a staging node is replayed (:meth:`RingStager.replayed`). The device keeps the
+  same count in its counters, so the row the kernel reads is always the row the host wrote last.
+* **Run-ahead.** The host may get ``slots`` steps ahead of the GPU. Row ``i % slots`` is only rewritten
+  once the kernel has published (in ``done``) that it finished step ``i - slots``; otherwise the host
+  waits for the stream.
+* **Input lifetime.** A row holds raw pointers; the stager keeps a reference to the caller's tensors
+  until the row is rewritten, which is after the GPU consumed it. A caller may drop its inputs right
+  after ``run``/``stage``.
 """
 from __future__ import annotations
 
@@ -19,56 +30,127 @@ from typing import Callable, Sequence
 import torch
 
 from .buffers import StaticBuffers
+from .errors import RingDesyncError
 from .modes import GraphKey, KeyTable
 
 
-def stage_with_torch(buffers: StaticBuffers, key: GraphKey, inputs: Sequence[torch.Tensor]) -> None:
-    """Copy each input into its static view and write the fill value into the padded tail."""
-    from graphpool.kernels.stage import stage_reference
+class TorchStager:
+    """Stages with torch copies at :meth:`fill` time; graphs hold no staging node."""
 
-    views = buffers.views[key]
-    for spec, src in zip(buffers.specs, inputs):
-        stage_reference(views[spec.name], src, buffers.fill_rows[spec.name])
+    in_graph = False
+
+    def __init__(self, buffers: StaticBuffers):
+        self._buffers = buffers
+
+    def claim(self) -> int:
+        return 0  # no ring row: the C++ checker writes nothing
+
+    def fill(self, key: GraphKey, real_bs: int, inputs: Sequence[torch.Tensor], row_written: bool) -> None:
+        """Copy each input into its static view of ``key`` and write the fill value into the padded tail."""
+        from graphpool.kernels.stage import stage_reference
+
+        views = self._buffers.views[key]
+        for spec, src in zip(self._buffers.specs, inputs):
+            stage_reference(views[spec.name], src, self._buffers.fill_rows[spec.name])
+
+    def launch(self, key: GraphKey) -> None:
+        pass
+
+    def replayed(self) -> None:
+        pass
+
+    def self_copy(self, key: GraphKey) -> None:
+        pass  # the buffers already hold what a replay should read
+
+    @property
+    def in_flight(self) -> int:
+        return 0
+
+    def check_sync(self) -> None:
+        pass
 
 
 class RingStager:
-    """Host side of in-graph staging: the pinned ring table, the step counter, and the kernel launch."""
+    """Host side of in-graph staging: the pinned ring table, both step counts, and the held inputs.
+
+    Args:
+        buffers: the pool's static buffers.
+        keys: the pool's key table.
+        device: the pool's device (the ring and ``done`` are pinned on CUDA).
+        synchronize: waits for the device (raises the pool's typed fault error on a CUDA error).
+        slots: ring rows: how many steps the host may run ahead of the GPU.
+    """
+
+    in_graph = True
 
     def __init__(self, buffers: StaticBuffers, keys: KeyTable, device: torch.device,
                  synchronize: Callable[[], None], slots: int = 64):
+        from graphpool.kernels.stage import stage_grid
+
+        if slots < 2:
+            raise ValueError(f"ring_slots must be >= 2 (the GPU publishes progress one step late), got {slots}")
         self._buffers, self._keys, self.slots, self._synchronize = buffers, keys, slots, synchronize
         width = 1 + len(buffers.specs)
-        pinned = device.type == "cuda"
-        self.ring = torch.zeros(slots, width, dtype=torch.int64, pin_memory=pinned)
-        self.done = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
-        self.step = torch.zeros(2, dtype=torch.int64, device=device)  # [steps executed, programs arrived]
-        self.meta = buffers.kernel_meta()
+        self._cuda = device.type == "cuda"
+        self.ring = torch.zeros(slots, width, dtype=torch.int64, pin_memory=self._cuda)
+        self.done = torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda)
+        self.meta, self.word, max_words = buffers.kernel_meta()
+        self.grid = stage_grid(len(buffers.specs), max_words)
+        self.counters = torch.zeros(self.grid[0] * self.grid[1], dtype=torch.int64, device=device)
         self._row = struct.Struct(f"<{width}q")
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
         self._ring_address = self.ring.data_ptr()
         self._done = memoryview(self.done.numpy()).cast("B").cast("q")  # fast scalar reads of GPU progress
-        self._max_bytes = {key: max(s.rows(key.bs, keys.modes[key.mode].tokens_per_seq) * buffers.row_bytes(s)
-                                    for s in buffers.specs) for key in keys.keys}
-        self.issued = 0  # steps whose staging kernel has been launched for execution (not captured)
+        self._held: list[Sequence[torch.Tensor] | None] = [None] * slots
+        self._issued = 0  # staging kernels enqueued for execution (captures excluded)
 
-    def next_row(self) -> int:
-        """Address of the ring row the next executed staging kernel reads. Waits for the GPU first in
-        the rare case that the row still belongs to a step it has not run yet."""
-        if self.issued - self._done[0] >= self.slots:
+    def claim(self) -> int:
+        """Address of the ring row the next executed staging kernel reads. Waits for the GPU first in the
+        rare case that the row still belongs to a step it has not consumed."""
+        if self._issued - self._done[0] >= self.slots:
             self._synchronize()
-        return self._ring_address + (self.issued % self.slots) * self._row.size
+        return self._ring_address + (self._issued % self.slots) * self._row.size
 
-    def write(self, row: int, real_bs: int, pointers: Sequence[int]) -> None:
-        """Fill the row at ``row`` (from :meth:`next_row`) with the batch size and source pointers."""
-        self._row.pack_into(self._ring_bytes, row - self._ring_address, real_bs, *pointers)
+    def fill(self, key: GraphKey, real_bs: int, inputs: Sequence[torch.Tensor], row_written: bool) -> None:
+        """Write the claimed row (unless the C++ checker did) and hold ``inputs`` until the row is reused."""
+        slot = self._issued % self.slots
+        if not row_written:
+            self._row.pack_into(self._ring_bytes, slot * self._row.size, real_bs, *(t.data_ptr() for t in inputs))
+        self._held[slot] = inputs
 
-    def write_self_copy(self, key: GraphKey) -> None:
-        """A row that stages every static view onto itself (used for warm-up runs before capture)."""
-        self.write(self.next_row(), key.bs, [t.data_ptr() for t in self._buffers.views[key].values()])
+    def self_copy(self, key: GraphKey) -> None:
+        """Claim and fill a row that stages every static view of ``key`` onto itself: a replay then runs on
+        the buffers' current contents (warm-up, direct graph replays)."""
+        self.claim()
+        views = list(self._buffers.views[key].values())
+        self.fill(key, key.bs, views, row_written=False)
 
     def launch(self, key: GraphKey) -> None:
-        """The staging kernel and the counter advance for ``key``: call inside the graph's capture."""
+        """The staging kernel for ``key``. Inside a capture it is recorded (the count advances at each
+        replay, see :meth:`replayed`); outside one it runs now, and the count advances now."""
         from graphpool.kernels.stage import stage_launch
 
-        stage_launch(self.ring, self.step, self.meta, self.done, key.bs,
-                     self._keys.modes[key.mode].tokens_per_seq, self._max_bytes[key])
+        stage_launch(self.ring, self.counters, self.meta, self.done, key.bs,
+                     self._keys.modes[key.mode].tokens_per_seq, self.word, self.grid)
+        if not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            self._issued += 1
+
+    def replayed(self) -> None:
+        """A captured graph holding a staging node was just enqueued."""
+        self._issued += 1
+
+    @property
+    def in_flight(self) -> int:
+        """Staging steps enqueued that the GPU has not reported finished (it reports one step late)."""
+        return max(0, self._issued - self._done[0])
+
+    def check_sync(self) -> None:
+        """Debug mode: wait for the device and compare its step counters with the host's count."""
+        self._synchronize()
+        device = self.counters.tolist()
+        if any(c != self._issued for c in device):
+            raise RingDesyncError(
+                f"the host enqueued {self._issued} staging steps but the device executed {device[0]} "
+                f"(per program: {sorted(set(device))}): every later step would stage another step's inputs. "
+                f"Cause: a graph of this pool was replayed, or its staging kernel launched, outside "
+                f"GraphPool.run/replay/graph(...).replay(). Rebuild the pool.")

@@ -14,9 +14,9 @@ from graphpool import GraphKey
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # (device, staging, input checks): the eager twin with torch staging, the twin with the ring kernel (Triton's
-# interpreter on CPU), and real CUDA graphs with the ring kernel as each graph's first node; the C++ input
-# checker where it builds, and the Python checks.
-SETUPS = [("cpu", "torch", "cpp"), ("cpu", "ring", "cpp"), ("cpu", "torch", "python"),
+# interpreter on CPU), and real CUDA graphs with the ring kernel as each graph's first node, checked by the
+# C++ input checker (CUDA pools only) and by the Python checks.
+SETUPS = [("cpu", "torch", "python"), ("cpu", "ring", "python"),
           pytest.param(("cuda", "auto", "cpp"), marks=pytest.mark.gpu),
           pytest.param(("cuda", "auto", "python"), marks=pytest.mark.gpu)]
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
@@ -94,7 +94,7 @@ def built(request) -> tuple[gp.GraphPool, ToyStep, str]:
 
 def check_step(pool: gp.GraphPool, step: ToyStep, device: str, mode_name: str, bs: int,
                rng: random.Random) -> None:
-    mode = pool.keys.modes[mode_name]
+    mode = pool.modes[mode_name]
     inputs = random_step(mode, bs, device, rng)
     out = pool.run(mode_name, copy=True, **inputs)
     got_cache = step.cache.clone()
@@ -106,11 +106,11 @@ def check_step(pool: gp.GraphPool, step: ToyStep, device: str, mode_name: str, b
     padded = pool.route(mode_name, bs)
     if padded is None:
         return
-    views = pool.buffers.views[GraphKey(mode_name, padded)]
-    for spec in pool.buffers.specs:
-        rows = spec.rows(bs, mode.tokens_per_seq)
-        assert torch.equal(views[spec.name][:rows], inputs[spec.name]), (mode_name, bs, spec.name)
-        tail = views[spec.name][rows:]
+    static = pool.static_inputs
+    for spec in make_inputs():
+        rows, padded_rows = spec.rows(bs, mode.tokens_per_seq), spec.rows(padded, mode.tokens_per_seq)
+        assert torch.equal(static[spec.name][:rows], inputs[spec.name]), (mode_name, bs, spec.name)
+        tail = static[spec.name][rows:padded_rows]
         assert torch.all(tail == spec.fill), f"{mode_name} bs={bs}: padded rows of {spec.name} are {tail}"
 
 
@@ -130,13 +130,13 @@ def test_every_batch_size_of_both_modes_then_random_steps(built):
 def test_outputs_are_graph_views_unless_copied(built):
     pool, step, device = built
     rng = random.Random(7)
-    first = pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"]
+    first = pool.run("decode", **random_step(pool.modes["decode"], 3, device, rng))["pooled"]
     kept = first.clone()
-    copied = pool.run("decode", copy=True, **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"]
+    copied = pool.run("decode", copy=True, **random_step(pool.modes["decode"], 3, device, rng))["pooled"]
     if pool.backend.static_outputs:  # graph memory: the second run overwrote the first result in place
         assert torch.equal(first, copied) and not torch.equal(first, kept)
-    pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))
-    assert not torch.equal(copied, pool.run("decode", **random_step(pool.keys.modes["decode"], 3, device, rng))["pooled"])
+    pool.run("decode", **random_step(pool.modes["decode"], 3, device, rng))
+    assert not torch.equal(copied, pool.run("decode", **random_step(pool.modes["decode"], 3, device, rng))["pooled"])
 
 
 def test_miss_runs_eagerly_and_is_counted(built):
@@ -154,14 +154,14 @@ def test_miss_raises_when_configured(device):
     pool, step = build(device, on_miss="raise")
     rng = random.Random(5)
     with pytest.raises(gp.BatchTooLargeError, match=r"batch size 40 is larger than the largest captured size 32"):
-        pool.run("decode", **random_step(pool.keys.modes["decode"], 40, device, rng))
+        pool.run("decode", **random_step(pool.modes["decode"], 40, device, rng))
     check_step(pool, step, device, "decode", 32, rng)
 
 
 def test_typed_errors_then_next_step_exact(built):
     pool, step, device = built
     rng = random.Random(99)
-    verify, decode = pool.keys.modes["verify"], pool.keys.modes["decode"]
+    verify, decode = pool.modes["verify"], pool.modes["decode"]
     good = random_step(verify, 10, device, rng)
 
     with pytest.raises(gp.UnknownModeError, match=r"unknown mode 'draft'.*\['decode', 'verify'\]"):
@@ -180,7 +180,7 @@ def test_typed_errors_then_next_step_exact(built):
         pool.run("verify", **dict(good, seq_lens=good["seq_lens"].long()))
     with pytest.raises(gp.InputShapeError, match=r"'features' has shape \(160, 4\).*trailing shape must be \(3,\)"):
         pool.run("verify", **dict(good, features=torch.zeros(160, 4, device=device)))
-    with pytest.raises(gp.InputDeviceError, match=r"'features' is not contiguous"):
+    with pytest.raises(gp.InputLayoutError, match=r"'features' is not contiguous"):
         pool.run("verify", **dict(good, features=torch.zeros(FEAT, 160, device=device).t()))
     with pytest.raises(gp.MissingInputError, match=r"missing inputs \['positions'\], unknown inputs \['pos'\]"):
         pool.run("verify", **{("pos" if k == "positions" else k): v for k, v in good.items()})
@@ -219,13 +219,15 @@ def test_run_before_capture_and_failed_capture(device):
 
 
 def test_capture_order_and_routing_table():
-    keys = gp.modes.KeyTable([gp.Mode("decode", 1), gp.Mode("verify", 16, batch_sizes=(1, 2, 8))], [1, 4, 64])
-    order = keys.capture_order()
+    pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 16, batch_sizes=(1, 2, 8))], make_inputs(),
+                        [1, 4, 64], device="cpu")
+    order = pool.graph_keys
     assert order[0] == GraphKey("verify", 8) and order[-1] == GraphKey("decode", 1)
-    tokens = [keys.num_tokens(k) for k in order]
+    tokens = [k.bs * pool.modes[k.mode].tokens_per_seq for k in order]
     assert tokens == sorted(tokens, reverse=True)
-    assert [keys.route("verify", b) for b in range(1, 10)] == [1, 2, 8, 8, 8, 8, 8, 8, None]
-    assert [keys.route("decode", b) for b in (1, 2, 4, 5, 64, 65)] == [1, 4, 4, 64, 64, None]
+    assert pool.batch_sizes == {"decode": (1, 4, 64), "verify": (1, 2, 8)}
+    assert [pool.route("verify", b) for b in range(1, 10)] == [1, 2, 8, 8, 8, 8, 8, 8, None]
+    assert [pool.route("decode", b) for b in (1, 2, 4, 5, 64, 65)] == [1, 4, 4, 64, 64, None]
 
 
 def test_bad_declarations_are_refused():
@@ -274,7 +276,7 @@ def test_prepare_sees_staged_inputs_before_replay(setup):
     rng = random.Random(11)
     for mode_name, bs in [("verify", 3), ("decode", 5), ("verify", 8), ("decode", 1), ("verify", 11)]:
         seen.clear()
-        mode = pool.keys.modes[mode_name]
+        mode = pool.modes[mode_name]
         inputs = random_step(mode, bs, device, rng)
         got = pool.run(mode_name, copy=True, **inputs)["pooled"]
         want = eager_reference(step, mode, inputs)["pooled"] + inputs["seq_lens"].float().sum()
@@ -286,13 +288,13 @@ def test_prepare_sees_staged_inputs_before_replay(setup):
 def test_cpp_checker_agrees_with_python_checks():
     """The C++ checker accepts exactly what the Python checks accept, with the same batch size and pointers."""
     from graphpool.native import extension_available, make_input_checker
+    from graphpool.validation import InputRules
     if not extension_available():
         pytest.skip("the C++ extension did not build here")
-    pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 4)], make_inputs(), [1, 2, 8], device="cpu",
-                        fast_checks=False)
-    pool.capture(ToyStep("cpu"), progress=False)
-    checker = make_input_checker(pool.buffers.specs, -1, pool._bs_index)
-    row = torch.zeros(1 + len(pool.buffers.specs), dtype=torch.int64)
+    modes = {"decode": gp.Mode("decode", 1), "verify": gp.Mode("verify", 4)}
+    rules = InputRules(make_inputs(), torch.device("cpu"), list(modes.values()))
+    checker = make_input_checker(rules)
+    row = torch.zeros(1 + len(rules.specs), dtype=torch.int64)
     rng = random.Random(42)
     mutations = [
         lambda x: x.pop("positions"),
@@ -304,21 +306,22 @@ def test_cpp_checker_agrees_with_python_checks():
         lambda x: x.update(out_cache_loc=torch.stack([x["out_cache_loc"]] * 2, 1)[:, 0]),
         lambda x: x.update(req_pool_indices=x["req_pool_indices"].view(1, -1)),
         lambda x: x.update(positions="not a tensor"),
+        lambda x: x.update(positions=x["positions"].to("meta")),
         lambda x: x.update(seq_lens=x["seq_lens"][:0], req_pool_indices=x["req_pool_indices"][:0]),
         lambda x: None,  # valid
     ]
     for trial in range(300):
-        mode = pool.keys.modes[rng.choice(["decode", "verify"])]
+        mode = modes[rng.choice(["decode", "verify"])]
         inputs = random_step(mode, rng.randint(1, 12), "cpu", rng)
         rng.choice(mutations)(inputs)
         row.fill_(-1)
         got = checker.check(inputs, mode.tokens_per_seq, row.data_ptr())
         try:
-            real_bs, pointers = pool._validate(pool._plans[mode.name], inputs)
+            real_bs, ordered = rules.check(mode, inputs, None)
         except gp.GraphPoolError:
             assert got < 0, f"trial {trial}: C++ accepted what Python rejects"
             continue
-        assert got == real_bs and row.tolist() == [real_bs, *pointers], f"trial {trial}"
+        assert got == real_bs and row.tolist() == [real_bs, *(t.data_ptr() for t in ordered)], f"trial {trial}"
 
 
 def test_eager_twin_works_without_triton():
@@ -333,7 +336,7 @@ def test_eager_twin_works_without_triton():
             "pool.capture(lambda b: b.inputs['ids'] * 2, progress=False)\n"
             "out = pool.run('verify', ids=torch.arange(12), lens=torch.ones(3, dtype=torch.int32))\n"
             "assert torch.equal(out, torch.arange(12) * 2), out\n"
-            "assert pool.buffers.full['lens'].tolist() == [1, 1, 1, 1]\n"
+            "assert pool.static_inputs['lens'].tolist() == [1, 1, 1, 1]\n"
             "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

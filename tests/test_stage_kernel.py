@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from graphpool.kernels.stage import stage_launch, stage_reference  # noqa: E402
+from graphpool.kernels.stage import stage_grid, stage_launch, stage_reference  # noqa: E402
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16]
 TRAILING = [(), (3,), (2, 2), (5,)]
@@ -37,30 +37,34 @@ def random_source(spec, rows: int, device: str) -> torch.Tensor:
     return torch.randint(-2**30, 2**30, (rows, *trailing), dtype=dtype).to(device)
 
 
+def kernel_setup(specs, dsts, fills, device, slots):
+    pinned = device == "cuda"
+    word = min(8, *(d.element_size() for d in dsts))
+    ring = torch.zeros(slots, 1 + len(specs), dtype=torch.int64, pin_memory=pinned)
+    done = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+    meta = torch.tensor([[d.data_ptr(), f.data_ptr(), d[0].numel() * d.element_size() // word, int(p)]
+                         for d, f, (_, _, p) in zip(dsts, fills, specs)], dtype=torch.int64, device=device)
+    grid = stage_grid(len(specs), max(d.numel() * d.element_size() // word for d in dsts))
+    counters = torch.zeros(grid[0] * grid[1], dtype=torch.int64, device=device)
+    return ring, done, meta, word, grid, counters
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(12))
 def test_kernel_equals_reference(device, seed):
     rng = random.Random(seed)
     specs, max_bs, tps, dsts, fills = random_case(rng, device)
-    n = len(specs)
     slots = 4
-    pinned = device == "cuda"
-    ring = torch.zeros(slots, 1 + n, dtype=torch.int64, pin_memory=pinned)
-    done = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
-    step = torch.zeros(2, dtype=torch.int64, device=device)
-    meta = torch.tensor([[d.data_ptr(), f.data_ptr(), d[0].numel() * d.element_size(), int(p)]
-                         for d, f, (_, _, p) in zip(dsts, fills, specs)], dtype=torch.int64, device=device)
+    ring, done, meta, word, grid, counters = kernel_setup(specs, dsts, fills, device, slots)
     expected = [d.clone() for d in dsts]
-    # Several steps in a row, more than the ring has slots, so the kernel must follow the device counter.
+    # Several steps in a row, more than the ring has slots, so the kernel must follow the device counters.
     for i in range(slots + 3):
         padded_bs = rng.randint(1, max_bs)
         real_bs = padded_bs if rng.random() < 0.3 else rng.randint(1, padded_bs)
         srcs = [random_source(s, real_bs * (tps if s[2] else 1), device) for s in specs]
         ring[i % slots, 0] = real_bs
         ring[i % slots, 1:] = torch.tensor([s.data_ptr() for s in srcs])
-        max_bytes = max(d[0].numel() * d.element_size() * padded_bs * (tps if p else 1)
-                        for d, (_, _, p) in zip(dsts, specs))
-        stage_launch(ring, step, meta, done, padded_bs, tps, max_bytes)
+        stage_launch(ring, counters, meta, done, padded_bs, tps, word, grid)
         for spec, exp, src, fill in zip(specs, expected, srcs, fills):
             rows = padded_bs * (tps if spec[2] else 1)
             stage_reference(exp[:rows], src, fill)
@@ -68,4 +72,23 @@ def test_kernel_equals_reference(device, seed):
             torch.cuda.synchronize()
         for k, (got, exp) in enumerate(zip(dsts, expected)):
             assert torch.equal(got, exp), f"step {i} input {k} {specs[k]} real_bs={real_bs} padded_bs={padded_bs}"
-        assert step.tolist() == [i + 1, 0] and int(done[0]) == i + 1
+        # Every program advanced its own counter; program 0 published how many stagings finished before it.
+        assert counters.tolist() == [i + 1] * counters.numel() and int(done[0]) == i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_never_writes_past_the_padded_rows(device):
+    """A ring row that claims more real rows than the graph's batch size (a corrupt row, or a row meant for a
+    larger graph) still writes inside the graph's padded rows only: the buffer past them is untouched."""
+    specs = [(torch.int64, (), True), (torch.int32, (), False)]
+    dsts = [torch.full((32,), -7, dtype=torch.int64, device=device), torch.full((8,), -7, dtype=torch.int32, device=device)]
+    fills = [torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int32, device=device)]
+    ring, done, meta, word, grid, counters = kernel_setup(specs, dsts, fills, device, 2)
+    srcs = [torch.arange(64, dtype=torch.int64, device=device), torch.arange(16, dtype=torch.int32, device=device)]
+    ring[0, 0] = 16  # claims 16 sequences; the graph holds 2 (x 4 tokens per sequence)
+    ring[0, 1:] = torch.tensor([s.data_ptr() for s in srcs])
+    stage_launch(ring, counters, meta, done, 2, 4, word, grid)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert dsts[0][:8].tolist() == list(range(8)) and (dsts[0][8:] == -7).all()
+    assert dsts[1][:2].tolist() == [0, 1] and (dsts[1][2:] == -7).all()

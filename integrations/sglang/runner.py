@@ -329,5 +329,6 @@ def _requested_hidden_mode(forward_batch: ForwardBatch) -> CaptureHiddenMode:
 
 def _pool_graphs(pool: GraphPool) -> Dict[GraphId, Any]:
     """(forward mode, bs) -> the captured graph (a ``torch.cuda.CUDAGraph`` on the CUDA backend)."""
-    return {(mode, bs): pool.graph(name, bs) for mode, name in MODE_NAMES.items() if name in pool.keys.sizes
-            for bs in pool.keys.sizes[name]}
+    sizes = pool.batch_sizes
+    return {(mode, bs): pool.graph(name, bs) for mode, name in MODE_NAMES.items() if name in sizes
+            for bs in sizes[name]}

@@ -1,0 +1,133 @@
+"""Capturing one key: warm-up, the graph(s), the outputs pre-sliced for every real batch size.
+
+Each captured key becomes an :class:`Entry` whose ``run`` enqueues its graph the only correct way (for a
+graph holding a staging node, telling the stager that one more staging step was enqueued), so the pool's
+hot path and :class:`CapturedGraph` cannot get the ring's count wrong.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .backends import CudaGraphBackend, EagerBackend
+from .modes import GraphKey, Mode
+from .outputs import OutputLayout, Outputs
+from .stats import KeyStats
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What a step function sees.
+
+    Attributes:
+        mode: the step's mode.
+        bs: the padded batch size of the graph (the real batch size on the eager miss path).
+        num_tokens: ``bs * mode.tokens_per_seq``.
+        inputs: name -> tensor: the static views of the graph (``captured``), or the caller's own
+            tensors on the eager miss path (not captured, not padded).
+        captured: whether this batch belongs to a captured graph.
+    """
+
+    mode: Mode
+    bs: int
+    num_tokens: int
+    inputs: Any  # Mapping[str, torch.Tensor]
+    captured: bool = True
+
+
+StepFn = Callable[[StepBatch], Outputs]
+PrepareFn = Callable[[StepBatch, int], None]
+
+
+@dataclass
+class Entry:
+    """One captured key."""
+
+    key: GraphKey
+    batch: StepBatch
+    stats: KeyStats
+    run: Callable[[], Any] = lambda: None          # enqueue the graph; the eager twin returns its outputs
+    stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
+    layout: Optional[OutputLayout] = None
+    sliced: list = field(default_factory=list)     # [real_bs] -> output leaves (CUDA graphs only)
+
+
+def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
+                backend: CudaGraphBackend | EagerBackend, stager: Any) -> Entry:
+    """Warm up and capture ``key``. With ``prepare``, staging is its own small graph (``prepare`` must see
+    the staged inputs); without, it is the first node of the step's graph."""
+    entry = Entry(key, batch, KeyStats())
+    in_graph = stager.in_graph and prepare is None
+    where = f"mode {key.mode!r} bs {key.bs}"
+
+    def stage_and_step() -> Outputs:
+        stager.launch(key)
+        return step_fn(batch)
+
+    def stage_only() -> None:
+        stager.launch(key)
+
+    started = time.perf_counter()
+    for _ in range(warmup):
+        stager.self_copy(key)  # a row that stages every static view onto itself: valid pointers, no change
+        if stager.in_graph:
+            backend.warmup(stage_only)
+        if prepare is not None:
+            prepare(batch, key.bs)
+        OutputLayout(backend.warmup(lambda: step_fn(batch)), where)
+    graph_bytes = 0
+    if stager.in_graph and not in_graph:
+        stager.self_copy(key)
+        stage_graph, _, graph_bytes = backend.capture(stage_only)
+        entry.stage_run = _enqueue(backend, stage_graph, stager, stages=True)
+    if prepare is not None:
+        prepare(batch, key.bs)
+    stager.self_copy(key)
+    graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
+    entry.layout = OutputLayout(out, where)
+    entry.run = _enqueue(backend, graph, stager, stages=in_graph)
+    entry.stats.capture_s = time.perf_counter() - started
+    entry.stats.graph_bytes = graph_bytes + nbytes
+    if backend.static_outputs:
+        tps = batch.mode.tokens_per_seq
+        entry.sliced = [()] + [entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real)
+                               for real in range(1, key.bs + 1)]
+    return entry
+
+
+def _enqueue(backend: CudaGraphBackend | EagerBackend, graph: Any, stager: Any, stages: bool) -> Callable[[], Any]:
+    """How to run a captured graph. A CUDA graph that stages tells the stager once it is enqueued; the
+    eager twin's staging kernel counts itself when it runs (inside ``graph``)."""
+    if isinstance(backend, CudaGraphBackend):
+        if stages:
+            def replay_staging_graph() -> None:
+                graph.replay()
+                stager.replayed()
+            return replay_staging_graph
+        return graph.replay
+    return graph
+
+
+class CapturedGraph:
+    """One captured key's graph, as :meth:`GraphPool.graph` hands it out (benchmarks, debugging).
+
+    :meth:`replay` runs the graph on the *current contents* of the static buffers: whatever the last step
+    staged, or what you wrote into ``pool.static_inputs``. It keeps the pool's staging ring in step, so
+    pool steps before and after it stay correct. It does not run ``prepare``, and its outputs are only
+    reachable through the step function's own tensors (or a later ``pool.run``).
+    """
+
+    def __init__(self, entry: Entry, stager: Any):
+        self.key = entry.key
+        self._entry, self._stager = entry, stager
+
+    def replay(self) -> None:
+        if self._entry.stage_run is not None:  # a pool with `prepare`: staging is its own graph, not this one
+            self._entry.run()
+            return
+        self._stager.self_copy(self.key)
+        self._entry.run()
+
+    def __repr__(self) -> str:
+        return f"CapturedGraph(mode={self.key.mode!r}, bs={self.key.bs})"

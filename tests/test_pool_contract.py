@@ -1,0 +1,314 @@
+"""The pool's contract under misuse, lifetimes, threads and faults: one test per defect a review found.
+
+Each runs on the CPU (the eager twin; ring staging through Triton's interpreter where it matters) and,
+marked ``gpu``, with real CUDA graphs on the H200, where outputs live in graph memory and the GPU reads
+inputs when the step executes.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import graphpool as gp
+from test_pool import ToyStep, eager_reference, make_inputs, random_step
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+RING_SETUPS = [("cpu", "ring"), ("cpu", "torch"), pytest.param(("cuda", "ring"), marks=pytest.mark.gpu)]
+MODES = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
+SIZES = [1, 2, 4, 8]
+
+
+def pool_for(device: str, staging: str = "auto", **kwargs) -> tuple[gp.GraphPool, ToyStep]:
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device, staging=staging, **kwargs)
+    step = ToyStep(device)
+    pool.capture(step, progress=False)
+    return pool, step
+
+
+def assert_step_exact(pool: gp.GraphPool, step: ToyStep, device: str, mode: str, bs: int, rng: random.Random,
+                      what: str = "") -> None:
+    inputs = random_step(pool.modes[mode], bs, device, rng)
+    got = pool.run(mode, copy=True, **inputs)
+    want = eager_reference(step, pool.modes[mode], inputs)
+    for name in ("logits", "pooled"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{what} {mode} bs={bs} {name}")
+
+
+# 1. Ring desync ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_a_step_that_raises_midway_does_not_shift_later_steps(setup):
+    device, staging = setup
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device, staging=staging)
+    toy, fail = ToyStep(device), {"on": False}
+
+    def step(batch):
+        out = toy(batch)  # the staging kernel (ring) has already run when this raises
+        if fail["on"]:
+            raise RuntimeError("step failed midway")
+        return out
+
+    def prepare(batch, real_bs):
+        if fail["on"]:
+            raise RuntimeError("prepare failed")
+
+    rng = random.Random(0)
+    # On CUDA the step function is not called at replay (the graph is); only `prepare` can raise there.
+    for hook in ((prepare,) if device == "cuda" else (None, prepare)):
+        pool.capture(step, prepare=hook, progress=False)
+        for i in range(6):
+            fail["on"] = True
+            with pytest.raises(RuntimeError, match="failed"):
+                pool.run("verify" if i % 2 else "decode", **random_step(MODES[i % 2], 3, device, rng))
+            fail["on"] = False
+            for mode, bs in (("decode", 2), ("verify", 5), ("decode", 7)):
+                assert_step_exact(pool, toy, device, mode, bs, rng, f"after failure {i} (prepare={hook})")
+
+
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_direct_graph_replay_keeps_later_steps_exact(setup):
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(1)
+    for i in range(5):
+        assert_step_exact(pool, toy, device, "verify", 3, rng)
+        before = pool.static_inputs["input_ids"].clone()
+        pool.graph("verify", 4).replay()  # runs on the buffers as the last step left them
+        assert torch.equal(pool.static_inputs["input_ids"], before)
+        assert_step_exact(pool, toy, device, "decode", 5, rng, f"after direct replay {i}")
+
+
+# 2. Input lifetime ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_inputs_dropped_after_stage_are_still_what_the_step_reads(setup):
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(2)
+    for i in range(8):
+        mode = MODES[i % 2]
+        inputs = random_step(mode, 3, device, rng)
+        want = eager_reference(toy, mode, {k: v.clone() for k, v in inputs.items()})
+        staged = pool.stage(mode.name, **inputs)
+        del inputs
+        gc.collect()
+        junk = [torch.full((4096,), -123456, dtype=torch.int64, device=device) for _ in range(16)]  # reuse freed memory
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        got = {k: v.clone() for k, v in pool.replay(staged).items()}
+        del junk
+        torch.testing.assert_close(got["pooled"], want["pooled"], rtol=1e-5, atol=1e-5, msg=f"step {i}")
+
+
+# 3 and 4. Output containers --------------------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", ["logits", "pooled"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_run_returns_its_own_container(device):
+    pool, toy = pool_for(device)
+    rng = random.Random(3)
+    first = pool.run("decode", **random_step(MODES[0], 2, device, rng))
+    first.pop("logits")
+    first["pooled"] = None
+    second = pool.run("decode", **random_step(MODES[0], 2, device, rng))
+    assert set(second) == {"logits", "pooled"} and second["pooled"] is not None and first is not second
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_namedtuple_outputs_stay_namedtuples(device):
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device)
+    toy = ToyStep(device)
+    pool.capture(lambda b: Pair(**toy(b)), progress=False)
+    rng = random.Random(4)
+    for mode, bs in (("verify", 3), ("decode", 6)):
+        inputs = random_step(pool.modes[mode], bs, device, rng)
+        got = pool.run(mode, copy=True, **inputs)
+        assert isinstance(got, Pair), type(got)
+        torch.testing.assert_close(got.pooled, eager_reference(toy, pool.modes[mode], inputs)["pooled"])
+
+
+# 5 and 6. Declarations and inputs that cannot work are refused, with the right error ------------------------
+def test_declarations_that_could_never_run_are_refused():
+    for name in ("copy", "mode"):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] collide with GraphPool.run's own parameters"):
+            gp.GraphPool(MODES, [gp.StepInput(name, torch.int64)], [1], device="cpu")
+    with pytest.raises(ValueError, match=r"fill 0.7 is not representable in torch.int64 \(it would become 0\)"):
+        gp.StepInput("ids", torch.int64, fill=0.7)
+    with pytest.raises(ValueError, match="not representable in torch.int32"):
+        gp.StepInput("lens", torch.int32, fill=2**40)
+    with pytest.raises(ValueError, match="lies outside the bounds"):
+        gp.StepInput("loc", torch.int64, fill=-1, bounds=(0, 10))
+    gp.StepInput("half", torch.float16, fill=0.5)  # representable: accepted
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_get_the_error_that_names_them(device):
+    pool, toy = pool_for(device)
+    rng = random.Random(6)
+    good = random_step(MODES[1], 3, device, rng)
+    with pytest.raises(gp.InputDeviceError, match=r"'positions' is on meta"):
+        pool.run("verify", **dict(good, positions=good["positions"].to("meta")))
+    with pytest.raises(gp.InputLayoutError, match=r"'features' is not contiguous"):
+        pool.run("verify", **dict(good, features=torch.zeros(3, 12, device=device).t()))
+    with pytest.raises(gp.InputTypeError, match=r"'seq_lens' must be a torch.Tensor, got list"):
+        pool.run("verify", **dict(good, seq_lens=[1, 2, 3]))
+    with pytest.raises(gp.UnknownModeError, match=r"unknown mode 'Decode': did you mean 'decode'\?"):
+        pool.run("Decode", **good)
+    with pytest.raises(gp.UnknownModeError, match=r"unknown mode 'verfy': did you mean 'verify'\?"):
+        pool.run("verfy", **good)
+    assert_step_exact(pool, toy, device, "verify", 3, rng, "after refused steps")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("returned", [None, 3, "logits", [torch.zeros(1), 2.0]], ids=["None", "int", "str", "list-float"])
+def test_a_step_returning_non_tensors_fails_at_capture(device, returned):
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device)
+    with pytest.raises(gp.CaptureError, match=r"the step( function returned|'s outputs hold a)") as info:
+        pool.capture(lambda b: returned if not isinstance(returned, list) else [returned[0].to(device), 2.0],
+                     progress=False)
+    assert isinstance(info.value.__cause__, gp.StepOutputError) and not pool.captured
+
+
+# 7. Index bounds -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_debug_mode_refuses_out_of_range_indices_before_the_replay(device):
+    inputs = [gp.StepInput("out_cache_loc", torch.int64, bounds=(0, 4096)) if s.name == "out_cache_loc" else s
+              for s in make_inputs()]
+    pool = gp.GraphPool(MODES, inputs, SIZES, device=device, debug=True)
+    toy = ToyStep(device)
+    pool.capture(toy, progress=False)
+    rng = random.Random(7)
+    bad = random_step(MODES[1], 2, device, rng)
+    bad["out_cache_loc"][5] = 4096 + 17
+    cache = toy.cache.clone()
+    with pytest.raises(gp.IndexBoundsError, match=r"'out_cache_loc' row 5 holds 4113, outside its bounds \[0, 4096\)"):
+        pool.run("verify", **bad)
+    assert torch.equal(toy.cache, cache), "the step must not have run"
+    assert_step_exact(pool, toy, device, "verify", 2, rng, "after a refused step")
+
+
+# 8. Threads ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_concurrent_callers_get_an_error_never_a_wrong_step(device):
+    pool, toy = pool_for(device)
+    plans = [[(MODES[(t + i) % 2], 1 + (7 * t + i) % 8, random.Random(t * 1000 + i)) for i in range(60)]
+             for t in range(4)]
+    results: list = [[] for _ in plans]
+    start = threading.Barrier(len(plans))
+
+    def worker(t: int) -> None:
+        start.wait()
+        for mode, bs, rng in plans[t]:
+            inputs = random_step(mode, bs, device, rng)
+            try:
+                out = pool.run(mode.name, copy=True, **inputs)
+            except gp.ConcurrentUseError:
+                results[t].append(None)
+                continue
+            results[t].append((mode, inputs, out))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(len(plans))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    ran = [r for rs in results for r in rs if r is not None]
+    refused = sum(r is None for rs in results for r in rs)
+    for mode, inputs, out in ran:
+        torch.testing.assert_close(out["pooled"], eager_reference(ToyStep(device), mode, inputs)["pooled"])
+    assert ran and refused, f"{len(ran)} ran, {refused} refused: the threads should have overlapped"
+
+    staged = pool.stage("decode", **random_step(MODES[0], 2, device, random.Random(8)))
+    other = threading.Thread(target=lambda: results.append(_raises(pool.replay, staged)))
+    other.start()
+    other.join()
+    assert isinstance(results[-1], gp.ConcurrentUseError)
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        return exc
+    return None
+
+
+def test_replaying_a_step_twice_or_after_a_later_stage_is_refused():
+    pool, toy = pool_for("cpu", "ring")
+    rng = random.Random(9)
+    first = pool.stage("verify", **random_step(MODES[1], 2, "cpu", rng))
+    pool.stage("decode", **random_step(MODES[0], 2, "cpu", rng))
+    with pytest.raises(gp.StaleStepError):
+        pool.replay(first)
+    again = pool.stage("decode", **random_step(MODES[0], 2, "cpu", rng))
+    pool.replay(again)
+    with pytest.raises(gp.StaleStepError):
+        pool.replay(again)
+    assert_step_exact(pool, toy, "cpu", "verify", 6, rng)
+
+
+# 9. Device faults ----------------------------------------------------------------------------------------
+def test_a_device_error_at_a_wait_says_what_happened_and_what_to_do():
+    pool, _ = pool_for("cpu")
+
+    def faulting_sync() -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    pool.backend.synchronize = faulting_sync
+    with pytest.raises(gp.DeviceFaultError, match=r"failed on the device .*restart the process.*GRAPHPOOL_DEBUG=1"):
+        pool.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_faulting_step_is_reported_as_a_device_fault(debug):
+    """A real device-side assert (the CUDA context dies, so in a subprocess): debug mode names the graph at
+    the run that faulted; the fast path raises DeviceFaultError at the next wait."""
+    code = textwrap.dedent(f"""
+        import torch, graphpool as gp
+        pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("idx", torch.int64)], [1, 2], device="cuda",
+                            debug={debug})
+        table = torch.zeros(8, device="cuda")
+        pool.capture(lambda b: table[b.inputs["idx"]] + 1, progress=False)
+        pool.run("decode", idx=torch.tensor([1, 2], device="cuda"))
+        try:
+            pool.run("decode", idx=torch.tensor([10**9, 2], device="cuda"))
+            pool.synchronize()
+        except gp.DeviceFaultError as exc:
+            print("FAULT", exc)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "FAULT" in result.stdout, result.stdout + result.stderr
+    assert "restart the process" in result.stdout
+    if debug:
+        assert "graph (mode 'decode', bs 2) faulted" in result.stdout
+
+
+# 10. Structure -------------------------------------------------------------------------------------------
+def test_package_layout_has_one_module_object_per_file():
+    code = ("import sys, graphpool, graphpool.kernels.stage as s\n"
+            "import importlib.util\n"
+            "assert importlib.util.find_spec('graphpool.bench') is None\n"
+            "assert not [m for m in sys.modules if m == 'kernels' or m.startswith('kernels.')], sys.modules.keys()\n"
+            "import graphpool.integrations\n"
+            "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_cpu_pools_never_build_the_cpp_checker(monkeypatch):
+    import graphpool.native as native
+
+    def no_build():
+        raise AssertionError("a CPU pool asked for the C++ checker")
+
+    monkeypatch.setattr(native, "_extension", no_build)
+    pool, toy = pool_for("cpu", fast_checks=True)
+    assert_step_exact(pool, toy, "cpu", "decode", 3, random.Random(10))

@@ -6,14 +6,22 @@ hot path and :class:`CapturedGraph` cannot get the ring's count wrong.
 """
 from __future__ import annotations
 
+import gc
+import logging
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .backends import CudaGraphBackend, EagerBackend
-from .modes import GraphKey, Mode
+from .buffers import StaticBuffers
+from .errors import CaptureError
+from .modes import GraphKey, KeyTable, Mode
 from .outputs import OutputLayout, Outputs
 from .stats import KeyStats
+
+log = logging.getLogger("graphpool")
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,46 @@ class Entry:
     stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
     layout: Optional[OutputLayout] = None
     sliced: list = field(default_factory=list)     # [real_bs] -> output leaves (CUDA graphs only)
+
+
+class Step:
+    """A validated, routed and staged step, returned by :meth:`GraphPool.stage`; pass it to :meth:`GraphPool.replay`.
+
+    Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or one holding the
+    caller's tensors on the eager miss path), ``key`` (the graph's key, ``None`` on a miss). The steps of
+    captured graphs are made once, at capture, and shared: treat them as read-only.
+    """
+
+    __slots__ = ("mode", "real_bs", "batch", "entry", "padded_rows")
+
+    def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: Entry | None):
+        self.mode, self.real_bs, self.batch, self.entry = mode, real_bs, batch, entry
+        self.padded_rows = (batch.bs - real_bs) * mode.tokens_per_seq
+
+    @property
+    def key(self) -> GraphKey | None:
+        return self.entry.key if self.entry is not None else None
+
+
+def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
+                backend: CudaGraphBackend | EagerBackend, stager: Any, progress: bool) -> dict[GraphKey, Entry]:
+    """Capture every key, largest token count first (later, smaller graphs reuse the earlier ones' freed
+    blocks of the shared memory pool). Raises :class:`CaptureError` (the cause attached) on any failure."""
+    order = keys.capture_order()
+    started = time.perf_counter()
+    entries: dict[GraphKey, Entry] = {}
+    try:
+        with _frozen_gc():
+            for i, key in enumerate(order, 1):
+                batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), buffers.views[key])
+                entries[key] = capture_key(key, batch, step_fn, prepare, warmup, backend, stager)
+                if progress:
+                    _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
+    except Exception as exc:
+        raise CaptureError(_capture_failure_message(key, exc)) from exc
+    log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order), backend.name,
+             time.perf_counter() - started, sum(e.stats.graph_bytes for e in entries.values()) / 2**20)
+    return entries
 
 
 def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
@@ -131,3 +179,37 @@ class CapturedGraph:
 
     def __repr__(self) -> str:
         return f"CapturedGraph(mode={self.key.mode!r}, bs={self.key.bs})"
+
+
+@contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """Collect once, then keep the collector out of the capture: a collection during capture is slow and
+    can free tensors whose memory the graph being captured is about to use."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+def _progress(message: str, last: bool) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{message}" + ("\n" if last else ""))
+    elif last:
+        sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
+def _capture_failure_message(key: GraphKey, exc: BaseException) -> str:
+    return (f"capture of graph (mode {key.mode!r}, bs {key.bs}) failed: {type(exc).__name__}: {exc}. "
+            f"No graph of this pool was kept. Possible solutions:\n"
+            f"1. run the step eagerly (GraphPool(..., backend='eager')) to see if it fails outside a graph;\n"
+            f"2. remove host synchronisation (.item(), .tolist(), printing CUDA tensors) and data-dependent "
+            f"shapes from the step function (see graphpool.pool's graph-safety rules);\n"
+            f"3. lower the largest batch size if the GPU ran out of memory;\n"
+            f"4. if a library allocates lazily, make sure the warm-up run (warmup >= 1) touches it.")

@@ -74,6 +74,9 @@ class OutputLayout:
             i = len(self.leaves)
             self.leaves.append(out)
             return lambda leaves: leaves[i]
+        children = list(out.values()) if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else None
+        if children is not None and not self.leaves and all(c is None or isinstance(c, torch.Tensor) for c in children):
+            return self._flat(out)  # the common case, rebuilt by one C-level call per run
         if isinstance(out, dict):
             keys = list(out)
             parts = [self._compile(out[k], where) for k in keys]
@@ -87,6 +90,20 @@ class OutputLayout:
             return lambda leaves: kind([part(leaves) for part in parts])
         raise StepOutputError(f"{where}: the step's outputs hold a {type(out).__name__}; every leaf must be a tensor "
                               f"or None (return Python values outside the graph)")
+
+    def _flat(self, out: Outputs) -> Builder:
+        """A container whose children are all leaves: its leaves are exactly the flat list."""
+        if isinstance(out, dict):
+            self.leaves.extend(out.values())
+            keys = tuple(out)
+            return lambda leaves: dict(zip(keys, leaves))
+        self.leaves.extend(out)
+        if _is_namedtuple(out):
+            return type(out)._make
+        if type(out) is tuple:
+            return lambda leaves: leaves  # an immutable tuple of the pre-made views can be shared
+        kind = type(out)
+        return kind
 
     def sliced_leaves(self, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> tuple[Any, ...]:
         """The leaves cut to the real rows (made once per real batch size, at capture)."""

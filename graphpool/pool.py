@@ -33,12 +33,9 @@ compares the host's and device's staging counts (:class:`RingDesyncError`). It s
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import sys
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -46,35 +43,16 @@ import torch
 
 from .backends import CudaGraphBackend, make_backend
 from .buffers import StaticBuffers
-from .capture import CapturedGraph, Entry, PrepareFn, StepBatch, StepFn, capture_key
-from .errors import (BatchTooLargeError, CaptureError, ConcurrentUseError, DeviceFaultError, NotCapturedError,
-                     StaleStepError)
+from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
+from .errors import CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
 from .modes import GraphKey, KeyTable, Mode, StepInput
 from .outputs import Outputs, clone_outputs, slice_outputs
 from .staging import RingStager, TorchStager
+from .routing import Router
 from .stats import PoolStats
 from .validation import InputRules
 
 log = logging.getLogger("graphpool")
-
-
-class Step:
-    """A validated, routed and staged step, returned by :meth:`GraphPool.stage`; pass it to :meth:`GraphPool.replay`.
-
-    Attributes: ``mode``, ``real_bs``, ``batch`` (the graph's :class:`StepBatch`, or one holding the
-    caller's tensors on the eager miss path), ``key`` (the graph's key, ``None`` on a miss). The steps of
-    captured graphs are made once, at capture, and shared: treat them as read-only.
-    """
-
-    __slots__ = ("mode", "real_bs", "batch", "entry", "padded_rows")
-
-    def __init__(self, mode: Mode, real_bs: int, batch: StepBatch, entry: Entry | None):
-        self.mode, self.real_bs, self.batch, self.entry = mode, real_bs, batch, entry
-        self.padded_rows = (batch.bs - real_bs) * mode.tokens_per_seq
-
-    @property
-    def key(self) -> GraphKey | None:
-        return self.entry.key if self.entry is not None else None
 
 
 class GraphPool:
@@ -105,8 +83,6 @@ class GraphPool:
                  device: torch.device | str | None = None, backend: str = "auto", on_miss: str = "eager",
                  memory_pool: Any = None, staging: str = "auto", ring_slots: int = 64, fast_checks: bool = True,
                  debug: bool | None = None):
-        if on_miss not in ("eager", "raise"):
-            raise ValueError(f"on_miss must be 'eager' or 'raise', got {on_miss!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -116,7 +92,6 @@ class GraphPool:
         self._rules = InputRules(inputs, self.device, modes)
         self.buffers = StaticBuffers(self._rules.specs, self._keys, self.device)
         self.backend = make_backend(backend, self.device, memory_pool)
-        self.on_miss = on_miss
         self.debug = os.environ.get("GRAPHPOOL_DEBUG", "") not in ("", "0") if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
         cuda = isinstance(self.backend, CudaGraphBackend)
@@ -131,11 +106,10 @@ class GraphPool:
             from .native import make_input_checker
             checker = make_input_checker(self._rules)
         self._checker = checker
-        self._plans: dict[str, tuple[Mode, list, list]] = {}  # mode -> (mode, shapes[real_bs], steps[real_bs])
+        self._router = Router(self._keys, on_miss, self.stats)
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
-        self._failure: str | None = None
         self._busy = threading.Lock()
         self._pending: tuple[Step, int, Any] | None = None  # (staged step, staging thread, its inputs)
 
@@ -153,7 +127,7 @@ class GraphPool:
     @property
     def captured(self) -> bool:
         """Whether :meth:`capture` has succeeded (and no later capture failed)."""
-        return bool(self._plans)
+        return bool(self._router.plans)
 
     @property
     def modes(self) -> dict[str, Mode]:
@@ -196,34 +170,19 @@ class GraphPool:
                 until a capture succeeds.
         """
         self._release()
-        order = self._keys.capture_order()
-        started = time.perf_counter()
-        entries: dict[GraphKey, Entry] = {}
         try:
-            with _frozen_gc():
-                for i, key in enumerate(order, 1):
-                    mode = self._keys.modes[key.mode]
-                    batch = StepBatch(mode, key.bs, self._keys.num_tokens(key), self.buffers.views[key])
-                    entries[key] = capture_key(key, batch, step_fn, prepare, warmup, self.backend, self._stager)
-                    if progress:
-                        _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
-        except Exception as exc:
-            entries.clear()
+            entries = capture_all(self._keys, self.buffers, step_fn, prepare, warmup, self.backend, self._stager,
+                                  progress)
+        except CaptureError as exc:
             self._release()
-            self._failure = f"{type(exc).__name__}: {exc}"
-            raise CaptureError(_capture_failure_message(key, exc)) from exc
-        self._step_fn, self._prepare, self._failure, self._entries = step_fn, prepare, None, entries
+            self._router.failure = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
+            raise
+        self._step_fn, self._prepare, self._entries = step_fn, prepare, entries
         self.stats.keys = {key: entries[key].stats for key in self._keys.keys}
-        for name, mode in self._keys.modes.items():
-            sizes = range(1, self._keys.max_bs[name] + 1)
-            serving = [entries[GraphKey(name, self._keys.route(name, real_bs))] for real_bs in sizes]
-            self._plans[name] = (mode, [()] + [self._rules.shapes(mode, real_bs) for real_bs in sizes],
-                                 [None] + [Step(mode, real_bs, e.batch, e) for real_bs, e in zip(sizes, serving)])
-        log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order),
-                 self.backend.name, time.perf_counter() - started, self.stats.graph_bytes / 2**20)
+        self._router.build(entries, self._rules)
 
     def _release(self) -> None:
-        self._plans, self._entries, self._pending = {}, {}, None
+        self._router.plans, self._entries, self._pending = {}, {}, None
         self.stats.keys = {}
         if isinstance(self.backend, CudaGraphBackend):
             self.backend.release()
@@ -247,7 +206,8 @@ class GraphPool:
             ConcurrentUseError: another thread is inside this pool. Debug mode adds IndexBoundsError,
             DeviceFaultError and RingDesyncError.
         """
-        if not self._busy.acquire(blocking=False):
+        # A non-blocking acquire costs ~0.1 us and cannot miss an overlap (a plain flag could).
+        if not self._busy.acquire(False):
             raise ConcurrentUseError(_CONCURRENT)
         try:
             out = self._replay(self._stage(mode, inputs))
@@ -264,26 +224,27 @@ class GraphPool:
         .. warning:: replay each staged step once, before staging the next (the next ``stage`` rewrites
             its inputs: replaying it then raises :class:`StaleStepError`).
         """
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUseError(_CONCURRENT)
-        try:
+        with self._exclusive():
             return self._stage(mode, inputs)
-        finally:
-            self._busy.release()
 
     def replay(self, step: Step) -> Outputs:
         """Run the step from the latest :meth:`stage`: ``prepare``, then its graph (or the eager miss path)."""
-        if not self._busy.acquire(blocking=False):
+        with self._exclusive():
+            return self._replay(step)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if not self._busy.acquire(False):
             raise ConcurrentUseError(_CONCURRENT)
         try:
-            return self._replay(step)
+            yield
         finally:
             self._busy.release()
 
     def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
-        plan = self._plans.get(mode)
+        plan = self._router.plans.get(mode)
         if plan is None:
-            self._not_ready(mode)
+            self._router.not_ready(mode)
         mode_obj, shapes, steps = plan
         stager = self._stager
         # The C++ checker validates and writes the ring row in one call; on any mismatch (or without it)
@@ -296,7 +257,7 @@ class GraphPool:
             ordered = None
         step = steps[real_bs] if real_bs < len(steps) else None
         if step is None:
-            step = self._miss_step(mode_obj, real_bs, inputs)
+            step = self._router.miss(mode_obj, real_bs, inputs)
         else:
             stager.fill(step.entry.key, real_bs, ordered if ordered is not None else tuple(inputs.values()),
                         row_written=ordered is None)
@@ -338,7 +299,7 @@ class GraphPool:
         entry = self._entries.get(GraphKey(self._keys.mode(mode).name, bs))
         if entry is None:
             raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self._keys.sizes[mode]}"
-                           + ("" if self._plans else " (capture has not succeeded)"))
+                           + ("" if self.captured else " (capture has not succeeded)"))
         return CapturedGraph(entry, self._stager)
 
     def can_run(self, mode: str, real_bs: int) -> bool:
@@ -347,8 +308,7 @@ class GraphPool:
 
     def route(self, mode: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""
-        self._keys.mode(mode)
-        return self._keys.route(mode, real_bs) if real_bs >= 1 else None
+        return self._router.route(mode, real_bs)
 
     def synchronize(self) -> None:
         """Wait for every queued step; raises :class:`DeviceFaultError` if one faulted on the device."""
@@ -367,59 +327,6 @@ class GraphPool:
             raise DeviceFaultError(f"graph (mode {key.mode!r}, bs {key.bs}) faulted: {exc}") from exc.__cause__
         self._stager.check_sync()
 
-    # ------------------------------------------------------------------------------------ misses
-    def _not_ready(self, mode: str) -> None:
-        self._keys.mode(mode)  # raises UnknownModeError (with "did you mean") for a bad name
-        if self._failure is not None:
-            raise CaptureError(f"this pool's last capture failed ({self._failure}); it holds no graphs. "
-                               f"Fix the cause and call pool.capture(step_fn) again before running steps")
-        raise NotCapturedError(f"mode {mode!r} has no graphs yet: call pool.capture(step_fn) before pool.run")
-
-    def _miss_step(self, mode: Mode, real_bs: int, inputs: Mapping[str, torch.Tensor]) -> Step:
-        largest = self._keys.max_bs[mode.name]
-        if self.on_miss == "raise":
-            raise BatchTooLargeError(
-                f"mode {mode.name!r}: batch size {real_bs} is larger than the largest captured size {largest}; "
-                f"capture larger sizes (Mode({mode.name!r}, ..., batch_sizes=[..., {real_bs}])) or build the "
-                f"pool with on_miss='eager'")
-        self.stats.misses[f"{mode.name}: bs > {largest}"] += 1
-        batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, dict(inputs), captured=False)
-        return Step(mode, real_bs, batch, None)
-
 
 _CONCURRENT = ("two threads used one GraphPool at once (or one replayed a step another staged); a pool serves one "
                "caller at a time: use one pool per thread, or hold a lock around each run / stage+replay")
-
-
-@contextmanager
-def _frozen_gc() -> Iterator[None]:
-    """Collect once, then keep the collector out of the capture: a collection during capture is slow and
-    can free tensors whose memory the graph being captured is about to use."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
-def _progress(message: str, last: bool) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r{message}" + ("\n" if last else ""))
-    elif last:
-        sys.stderr.write(f"{message}\n")
-    sys.stderr.flush()
-
-
-def _capture_failure_message(key: GraphKey, exc: BaseException) -> str:
-    return (f"capture of graph (mode {key.mode!r}, bs {key.bs}) failed: {type(exc).__name__}: {exc}. "
-            f"No graph of this pool was kept. Possible solutions:\n"
-            f"1. run the step eagerly (GraphPool(..., backend='eager')) to see if it fails outside a graph;\n"
-            f"2. remove host synchronisation (.item(), .tolist(), printing CUDA tensors) and data-dependent "
-            f"shapes from the step function (see graphpool.pool's graph-safety rules);\n"
-            f"3. lower the largest batch size if the GPU ran out of memory;\n"
-            f"4. if a library allocates lazily, make sure the warm-up run (warmup >= 1) touches it.")

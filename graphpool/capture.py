@@ -58,7 +58,7 @@ class Entry:
     run: Callable[[], Any] = lambda: None          # enqueue the graph; the eager twin returns its outputs
     stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
     layout: Optional[OutputLayout] = None
-    sliced: list = field(default_factory=list)     # [real_bs] -> output leaves (CUDA graphs only)
+    sliced: list = field(default_factory=list)     # [real_bs] -> outputs for layout.fresh (CUDA graphs only)
 
 
 class Step:
@@ -139,7 +139,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     entry.stats.graph_bytes = graph_bytes + nbytes
     if backend.static_outputs:
         tps = batch.mode.tokens_per_seq
-        entry.sliced = [()] + [entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real)
+        entry.sliced = [()] + [entry.layout.prepare(entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real))
                                for real in range(1, key.bs + 1)]
     return entry
 

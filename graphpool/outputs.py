@@ -67,15 +67,29 @@ class OutputLayout:
             raise StepOutputError(f"{where}: the step function returned {type(out).__name__}; return a tensor, or a "
                                   f"tuple, namedtuple, list or dict of tensors (graph outputs must be tensors)")
         self.leaves: list[Any] = []
-        self.build: Builder = self._compile(out, where)
+        self.renew: Callable[[Any], Outputs] | None = None  # set by _flat for flat containers
+        self.nested = True
+        self.build: Builder = self._compile(out, where, root=True)
+        if isinstance(out, torch.Tensor):
+            self.nested = False
 
-    def _compile(self, out: Outputs, where: str) -> Builder:
+    def prepare(self, leaves: Sequence[Any]) -> Any:
+        """What :meth:`fresh` takes for one real batch size: the built outputs, or (nested) the leaves."""
+        return leaves if self.nested else self.build(leaves)
+
+    def fresh(self, prepared: Any) -> Outputs:
+        """The outputs a run hands back: a new container around the pre-made views (immutable ones shared)."""
+        if self.nested:
+            return self.build(prepared)
+        return prepared if self.renew is None else self.renew(prepared)
+
+    def _compile(self, out: Outputs, where: str, root: bool = False) -> Builder:
         if out is None or isinstance(out, torch.Tensor):
             i = len(self.leaves)
             self.leaves.append(out)
             return lambda leaves: leaves[i]
         children = list(out.values()) if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else None
-        if children is not None and not self.leaves and all(c is None or isinstance(c, torch.Tensor) for c in children):
+        if children is not None and root and all(c is None or isinstance(c, torch.Tensor) for c in children):
             return self._flat(out)  # the common case, rebuilt by one C-level call per run
         if isinstance(out, dict):
             keys = list(out)
@@ -92,17 +106,20 @@ class OutputLayout:
                               f"or None (return Python values outside the graph)")
 
     def _flat(self, out: Outputs) -> Builder:
-        """A container whose children are all leaves: its leaves are exactly the flat list."""
+        """A container whose children are all leaves: built once per real batch size, then renewed per
+        run by one shallow copy (C speed); immutable tuples and namedtuples are handed out as they are."""
+        self.nested = False
         if isinstance(out, dict):
             self.leaves.extend(out.values())
             keys = tuple(out)
+            self.renew = dict.copy
             return lambda leaves: dict(zip(keys, leaves))
         self.leaves.extend(out)
         if _is_namedtuple(out):
             return type(out)._make
-        if type(out) is tuple:
-            return lambda leaves: leaves  # an immutable tuple of the pre-made views can be shared
         kind = type(out)
+        if kind is not tuple:
+            self.renew = kind.copy if hasattr(kind, "copy") else kind
         return kind
 
     def sliced_leaves(self, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> tuple[Any, ...]:

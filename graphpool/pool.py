@@ -289,7 +289,7 @@ class GraphPool:
         if self.debug:
             self._debug_after(entry.key)
         if entry.sliced:
-            return entry.layout.build(entry.sliced[real_bs])
+            return entry.layout.fresh(entry.sliced[real_bs])
         tps = step.mode.tokens_per_seq
         return slice_outputs(out, batch.num_tokens, batch.bs, real_bs * tps, real_bs)
 

@@ -181,6 +181,15 @@ class GraphPool:
         self.stats.keys = {key: entries[key].stats for key in self._keys.keys}
         self._router.build(entries, self._rules)
 
+    def close(self) -> None:
+        """Wait for queued steps, then free every graph (the pool can be captured again). Call it before
+        tearing down what the graphs use, e.g. ``torch.distributed.destroy_process_group()``: graphs that
+        hold collectives and outlive their process group can hang the process at exit."""
+        if self.captured:
+            self.synchronize()
+        self._release()
+        self._step_fn = self._prepare = None
+
     def _release(self) -> None:
         self._router.plans, self._entries, self._pending = {}, {}, None
         self.stats.keys = {}

@@ -312,3 +312,14 @@ def test_cpu_pools_never_build_the_cpp_checker(monkeypatch):
     monkeypatch.setattr(native, "_extension", no_build)
     pool, toy = pool_for("cpu", fast_checks=True)
     assert_step_exact(pool, toy, "cpu", "decode", 3, random.Random(10))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_close_frees_the_graphs_and_capture_works_again(device):
+    pool, toy = pool_for(device)
+    pool.close()
+    assert not pool.captured and not pool.stats.keys
+    with pytest.raises(gp.NotCapturedError):
+        pool.run("decode", **random_step(MODES[0], 2, device, random.Random(11)))
+    pool.capture(toy, progress=False)
+    assert_step_exact(pool, toy, device, "verify", 3, random.Random(12), "after close and capture")

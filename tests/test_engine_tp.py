@@ -1,0 +1,140 @@
+"""Tensor parallelism in the reference engine (issue 12).
+
+CPU (CI): two spawned ranks over gloo run the TP engine on the pool's eager twin and are compared with the
+single-process engine built from the same seed, which is the oracle: random decode/verify steps (and eager
+plain steps, draft catch-ups, prefills) give the same tokens, the same accept counts, the same slot tables,
+and each rank's KV cache equals its heads' slice of the single-process cache. A forced disagreement
+between the ranks raises RankDisagreementError on both, within seconds.
+
+GPU (``-m gpu``, ``--tp N`` ranks, default 2; skipped with fewer GPUs): the engine's GPU tests of
+tests/test_decode_loop.py run on every rank with CUDA graphs holding NCCL collectives, float32 greedy
+decoding at TP N is token-identical to TP 1 on the benchmark model, and the disagreement check works
+under NCCL. Every test also proves the ranks exit on their own (the launcher fails a rank that hangs at
+teardown).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bench.engine.agreement import RankDisagreementError
+from bench.engine.config import ModelConfig, SpecConfig
+from bench.engine.harness import build
+from bench.engine.loop import DecodeLoop, make_requests
+from bench.engine.tp_launch import spawn
+
+CFG, PROMPT = ModelConfig.tiny(), 12
+SPEC = SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
+SIZES = [1, 2, 4]
+
+
+class RandomModes:
+    """A policy that picks decode or verify at random, seeded: every rank (and the oracle) draws the same."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def choose(self, bs: int) -> str:
+        return "verify" if self.rng.random() < 0.5 else "decode"
+
+
+class FlipOnRank:
+    """Plain decode, except that one rank picks verify at its ``at``-th step: the bug the check catches."""
+
+    def __init__(self, rank: int, flip_rank: int, at: int):
+        self.flip, self.at, self.calls = rank == flip_rank, at, 0
+
+    def choose(self, bs: int) -> str:
+        self.calls += 1
+        return "verify" if self.flip and self.calls == self.at else "decode"
+
+
+def _random_runs(engine, pool, seed: int) -> list:
+    runs = []
+    for i, (variant, concurrency) in enumerate([("dynamic", 3), ("dynamic_eager_plain", 2), ("dynamic", 4)]):
+        reqs = make_requests(6, PROMPT, CFG.vocab_size, 6, 16, seed=seed + i)
+        st = DecodeLoop(engine, pool, variant, RandomModes(seed + i)).run(reqs, concurrency)
+        runs.append({"outputs": st.outputs, "steps": st.steps, "accepted": st.draft_tokens_accepted,
+                     "catch_ups": st.catch_ups, "misses": st.graph_misses})
+    return runs
+
+
+def _kv_max_diff(tp, engine, ref) -> float:
+    """Largest difference between this rank's KV cache and its KV heads' slice of the single-process cache."""
+    heads = slice(tp.rank * engine.num_kv_heads, (tp.rank + 1) * engine.num_kv_heads)
+    diffs = [(mine - full[:, heads]).abs().max().item()
+             for attn, ref_attn in ((engine.target_attn, ref.target_attn), (engine.draft_attn, ref.draft_attn))
+             for mine, full in zip(attn.cache.k + attn.cache.v, ref_attn.cache.k + ref_attn.cache.v)]
+    return max(diffs)
+
+
+def rank_matches_single_process(tp, device: str, dtype_name: str, seed: int) -> dict:
+    """On one rank: the TP engine and the single-process engine (same seed, same process) run the same
+    random steps. Returns what the test compares."""
+    dtype = getattr(torch, dtype_name)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    engine, pool = build(CFG, SPEC, SIZES, PROMPT, 24, device=device, dtype=dtype, tp=tp)
+    ref, ref_pool = build(CFG, SPEC, SIZES, PROMPT, 24, device=device, dtype=dtype)
+    got, want = _random_runs(engine, pool, seed), _random_runs(ref, ref_pool, seed)
+    return {"got": got, "want": want, "kv_diff": _kv_max_diff(tp, engine, ref),
+            "tables_equal": bool(torch.equal(engine.token_table, ref.token_table)
+                                 and torch.equal(engine.req_to_token, ref.req_to_token)),
+            "kv_heads": engine.num_kv_heads, "backend": pool.stats.backend}
+
+
+def rank_forced_disagreement(tp, device: str) -> tuple:
+    """Rank 1 picks another mode at its 4th step; returns what the check raised, and how fast."""
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    engine, pool = build(CFG, SPEC, SIZES, PROMPT, 24, device=device, tp=tp)
+    reqs = make_requests(4, PROMPT, CFG.vocab_size, 12, 12, seed=1)
+    started = time.monotonic()
+    try:
+        DecodeLoop(engine, pool, "dynamic", FlipOnRank(tp.rank, 1, 4)).run(reqs, 2)
+    except RankDisagreementError as exc:
+        return "raised", exc.ranks, exc.entries, str(exc), time.monotonic() - started
+    return "no error", [], [], "", time.monotonic() - started
+
+
+def _check_matches_single_process(results: list[dict], exact: bool) -> None:
+    for rank, r in enumerate(results):
+        assert r["kv_heads"] == CFG.num_kv_heads // len(results)
+        for got, want in zip(r["got"], r["want"]):
+            assert got["outputs"] == want["outputs"], f"rank {rank}: tokens differ from the single-process engine"
+            assert got == want, f"rank {rank}"
+            assert got["misses"] == 0
+        assert r["tables_equal"], f"rank {rank}: token or slot table differs"
+        assert r["kv_diff"] <= (1e-9 if exact else 1e-4), f"rank {rank}: KV shard off by {r['kv_diff']}"
+    assert results[0]["got"] == results[1]["got"]  # every rank computed the same steps
+    runs = results[0]["got"]
+    assert sum(r["steps"]["verify"] for r in runs) and sum(r["steps"]["decode"] for r in runs)
+    assert sum(r["steps"]["eager_decode"] for r in runs) and sum(r["catch_ups"] for r in runs)
+
+
+def _check_forced_disagreement(results: list[tuple]) -> None:
+    for rank, (status, ranks, entries, message, seconds) in enumerate(results):
+        assert status == "raised", f"rank {rank} ran on without noticing the disagreement"
+        assert ranks == [1] and "rank 1" in message and "differ from rank 0" in message
+        names = [e[1] for e in entries]
+        assert names[0] == "decode" and names[1] in ("verify", "draft_catch_up"), entries
+        assert entries[0][0] == entries[1][0]  # the same step, seen by both ranks
+        assert seconds < 30, f"rank {rank} took {seconds:.1f} s to raise"
+
+
+@pytest.mark.timeout(300)
+def test_tp2_random_steps_equal_single_process_cpu():
+    results = spawn(rank_matches_single_process, 2, ("cpu", "float64", 5), backend="gloo", timeout_s=240)
+    assert results[0]["backend"] == "eager"
+    _check_matches_single_process(results, exact=True)
+
+
+@pytest.mark.timeout(180)
+def test_tp2_forced_disagreement_raises_on_every_rank_cpu():
+    started = time.monotonic()
+    results = spawn(rank_forced_disagreement, 2, ("cpu",), backend="gloo", check=True, timeout_s=150)
+    _check_forced_disagreement(results)
+    assert time.monotonic() - started < 150

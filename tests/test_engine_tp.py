@@ -14,6 +14,7 @@ teardown).
 """
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -138,3 +139,95 @@ def test_tp2_forced_disagreement_raises_on_every_rank_cpu():
     results = spawn(rank_forced_disagreement, 2, ("cpu",), backend="gloo", check=True, timeout_s=150)
     _check_forced_disagreement(results)
     assert time.monotonic() - started < 150
+
+
+@pytest.mark.timeout(300)
+def test_decode_loop_cli_tp2_cpu(tmp_path, capfd):
+    """bench/decode_loop.py --tp 2 spawns its ranks, rank 0 alone writes the JSON and prints the table,
+    and every rank exits on its own."""
+    from bench import decode_loop
+    out = tmp_path / "dl"
+    assert decode_loop.main(["--device", "cpu", "--tp", "2", "--tp-check", "--concurrency", "2", "--steps", "2",
+                             "--variants", "plain,spec,dynamic", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["tp"] == 2
+    assert {r["variant"] for r in data["results"]} == {"plain", "spec", "dynamic"}
+    assert all(r["tokens"] > 0 and r["graph_misses"] == 0 for r in data["results"])
+    text = capfd.readouterr().out  # rank 1's stdout goes to /dev/null: the table is printed once
+    assert text.count("output tokens/s by concurrency") == 1 and "tensor parallel over 2 ranks" in text
+
+
+# ------------------------------------------------------------------------------------------ GPU (--tp N)
+@pytest.fixture
+def tp_size(request) -> int:
+    n = request.config.getoption("--tp")
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"--tp {n} needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+    return n
+
+
+def rank_engine_gpu_tests(tp, size: str) -> bool:
+    """tests/test_decode_loop.py's engine checks on this rank, with CUDA graphs holding NCCL collectives."""
+    from bench.decode_loop import PRESETS
+    from tests.test_decode_loop import _check_catch_up, _check_every_step_replays, _check_variants
+    device = f"cuda:{torch.cuda.current_device()}"
+    if size == "tiny":
+        _, pool = _check_variants(device, tp=tp)
+        assert pool.stats.backend == "cuda"
+        del pool
+        _check_catch_up(device, tp)
+        _check_every_step_replays(device, tp)
+    else:
+        _check_variants(device, ModelConfig.medium(), SpecConfig(draft_noise=PRESETS["medium"].draft_noise), tp=tp)
+    return True
+
+
+def greedy_outputs(tp, variants: tuple[str, ...]) -> dict:
+    """Outputs of the benchmark model (medium, float32) on this rank (or in this process with ``tp=None``)."""
+    from bench.decode_loop import PRESETS
+    from graphpool import SpeculationPolicy
+    device = f"cuda:{torch.cuda.current_device()}"
+    preset = PRESETS["medium"]
+    engine, pool = build(ModelConfig.medium(), SpecConfig(draft_noise=preset.draft_noise), [1, 2, 4, 8],
+                         preset.prompt_len, 48, device=device, dtype=torch.float32, tp=tp)
+    reqs = make_requests(10, preset.prompt_len, engine.cfg.vocab_size, 32, 48, seed=11)
+    out = {}
+    for v in variants:
+        policy = SpeculationPolicy(4, 2) if v.startswith("dynamic") else None
+        st = DecodeLoop(engine, pool, v, policy).run(reqs, 8)
+        out[v] = {"outputs": st.outputs, "misses": st.graph_misses}
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("size", ["tiny", "medium"])
+def test_engine_gpu_tests_under_tp_gpu(tp_size, size):
+    assert spawn(rank_engine_gpu_tests, tp_size, (size,), backend="nccl", timeout_s=360) == [True] * tp_size
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_tp_random_steps_equal_single_process_gpu(tp_size):
+    results = spawn(rank_matches_single_process, tp_size, ("cuda", "float32", 5), backend="nccl", timeout_s=240)
+    assert results[0]["backend"] == "cuda"
+    _check_matches_single_process(results, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_tp_fp32_greedy_token_identical_to_tp1_gpu(tp_size):
+    want = greedy_outputs(None, ("plain",))["plain"]["outputs"]
+    torch.cuda.empty_cache()
+    results = spawn(greedy_outputs, tp_size, (("plain", "spec", "dynamic"),), backend="nccl", timeout_s=360)
+    for rank, r in enumerate(results):
+        for v, got in r.items():
+            assert got["misses"] == 0
+            assert got["outputs"] == want, f"rank {rank} {v} at TP {tp_size} differs from plain decode at TP 1"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_tp_forced_disagreement_raises_on_every_rank_gpu(tp_size):
+    results = spawn(rank_forced_disagreement, tp_size, ("cuda",), backend="nccl", check=True, timeout_s=240)
+    _check_forced_disagreement(results[:2])

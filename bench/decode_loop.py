@@ -214,6 +214,9 @@ def match_rate(a: dict, b: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parse_args(argv))
     if args.tp > 1:  # every rank runs `run`; see bench/engine/tp_launch.py
+        if args.min_seconds:
+            raise SystemExit("--min-seconds cannot be used with --tp: each rank would end its windows on its own "
+                             "clock, after a different number of steps, and the ranks' collectives would deadlock")
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         return run_ranks(run, args.tp, (args,), backend=backend, check=args.tp_check)[0]
     return run(None, args)
@@ -252,6 +255,8 @@ def run(tp, args: argparse.Namespace) -> int:
         if phase is second and phase:
             if args.threshold == "auto":
                 threshold, resume = choose_threshold(results, args.concurrency)
+                if tp is not None:  # chosen from rank-local timings: every rank must use rank 0's choice
+                    threshold, resume = tp.broadcast((threshold, resume))
             else:
                 threshold = resume = int(args.threshold)
             print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume}"

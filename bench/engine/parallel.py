@@ -28,8 +28,11 @@ derive from all-gathered logits, identical on every rank; :class:`graphpool.Spec
 on the batch size, and the padded size is the pool's routing of it over identical captured sizes. This is
 how SGLang's TP ranks work too (each rank runs a scheduler on the broadcast requests). A broadcast per step
 would cost a host-side collective (tens of microseconds, the size of graphpool's whole staging cost) to
-send a value each rank already has. What can still break it (a rank-local clock, a rank-local RNG in the
-policy) is what the debug check catches: with ``TensorParallel(check=True)``, every step compares
+send a value each rank already has. Anything a rank measures itself is rank-local and must not steer a
+step: the benchmark's automatic threshold (picked from timings) is taken from rank 0 once, before the
+dynamic runs (:meth:`TensorParallel.broadcast`), and its timed windows end after a step count, never on a
+clock (``decode_loop.py`` refuses ``--min-seconds`` with ``--tp``). What can still break it (a rank-local
+clock or RNG in a policy) is what the debug check catches: with ``TensorParallel(check=True)``, every step compares
 (step counter, mode, padded and real batch size) across ranks before it replays
 (:class:`bench.engine.agreement.StepAgreement`) and raises :class:`~bench.engine.agreement.RankDisagreementError`
 on every rank, naming the ranks that disagree, instead of hanging.
@@ -96,6 +99,13 @@ class TensorParallel:
         out = torch.empty(self.size * flat.shape[0], flat.shape[1], dtype=x.dtype, device=x.device)
         _all_gather_flat(out, flat, self.group)
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast(self, obj: Any) -> Any:
+        """``obj`` as rank 0 holds it, on every rank: for a decision taken from a rank-local measurement
+        (a threshold picked from timings), which would otherwise differ between ranks."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
 
     # ---------------------------------------------------------------------------------- the split
     def local_heads(self, cfg: ModelConfig) -> tuple[int, int]:

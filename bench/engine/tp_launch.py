@@ -105,7 +105,8 @@ def spawn(fn: RankFn, world_size: int, args: tuple = (), backend: str = "gloo", 
     results: queue_mod.Queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(rank, world_size, port, backend, check, quiet, fn, args, results),
-                         name=f"tp-rank-{rank}") for rank in range(world_size)]
+                         name=f"tp-rank-{rank}", daemon=True)  # daemon: gone when the launcher exits
+             for rank in range(world_size)]
     for p in procs:
         p.start()
     started = time.monotonic()

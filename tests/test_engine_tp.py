@@ -141,6 +141,26 @@ def test_tp2_forced_disagreement_raises_on_every_rank_cpu():
     assert time.monotonic() - started < 150
 
 
+def rank_fails_or_waits(tp) -> None:
+    """Rank 1 raises; rank 0 is stuck (as a rank waiting on a collective of a dead NCCL peer can be)."""
+    if tp.rank == 1:
+        raise ValueError("rank 1 failed on purpose")
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_launcher_reports_a_failed_rank_and_kills_the_stuck_one_cpu(monkeypatch):
+    from bench.engine import tp_launch
+    monkeypatch.setattr(tp_launch, "FAILURE_GRACE_S", 3.0)
+    started = time.monotonic()
+    with pytest.raises(tp_launch.RankFailure) as info:
+        spawn(rank_fails_or_waits, 2, backend="gloo", timeout_s=90)
+    errors = info.value.errors
+    assert isinstance(errors[1], ValueError) and "on purpose" in str(errors[1])
+    assert "after another rank failed" in errors[0]
+    assert time.monotonic() - started < 60
+
+
 @pytest.mark.timeout(300)
 def test_decode_loop_cli_tp2_cpu(tmp_path, capfd):
     """bench/decode_loop.py --tp 2 spawns its ranks, rank 0 alone writes the JSON and prints the table,

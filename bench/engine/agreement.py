@@ -59,6 +59,7 @@ class StepAgreement:
         self._names = {_code(n): n for n in KNOWN_STEPS}
         self._mine = torch.zeros(4, dtype=torch.int64)
         self._all = torch.zeros(4 * self.size, dtype=torch.int64)
+        self._parts = list(self._all.chunk(self.size))  # views: the list-form all-gather writes into _all
 
     def check(self, name: str, bs: int, real_bs: int) -> None:
         """Count a step and raise :class:`RankDisagreementError` unless every rank runs the same one.
@@ -72,8 +73,7 @@ class StepAgreement:
         code = _code(name)
         self._names.setdefault(code, name)
         self._mine.copy_(torch.tensor([self.steps, code, bs, real_bs]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(self._all, self._mine, group=self.group)
+        dist.all_gather(self._parts, self._mine, group=self.group)
         rows = self._all.view(self.size, 4).tolist()
         if all(row == rows[0] for row in rows):
             return

@@ -57,9 +57,13 @@ log = logging.getLogger(__name__)
 PrepareFn = Callable[[Any, int], None]
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """Gather ``inp`` of every rank into ``out`` (rank-major along dim 0). torch 2.13 renamed the call and
-    made gloo take only the concatenated layout, which NCCL also takes."""
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """Gather ``inp`` of every rank into ``out`` (rank-major along dim 0: ``out`` has ``world * len(inp)``
+    rows). NCCL gathers into one tensor (capturable); gloo takes the list form, which every torch version's
+    gloo supports (the single-tensor call was renamed in torch 2.13)."""
+    if dist.get_backend(group) == "gloo":
+        dist.all_gather(list(out.chunk(dist.get_world_size(group))), inp, group=group)
+        return
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
 
@@ -97,7 +101,7 @@ class TensorParallel:
         """Concatenate every rank's ``x`` along its last dimension (rank order)."""
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(self.size * flat.shape[0], flat.shape[1], dtype=x.dtype, device=x.device)
-        _all_gather_flat(out, flat, self.group)
+        all_gather_flat(out, flat, self.group)
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def broadcast(self, obj: Any) -> Any:

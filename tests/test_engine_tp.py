@@ -55,7 +55,7 @@ class FlipOnRank:
 
 def _random_runs(engine, pool, seed: int) -> list:
     runs = []
-    for i, (variant, concurrency) in enumerate([("dynamic", 3), ("dynamic_eager_plain", 2), ("dynamic", 4)]):
+    for i, (variant, concurrency) in enumerate([("dynamic", 3), ("dynamic_eager_plain", 4)]):
         reqs = make_requests(6, PROMPT, CFG.vocab_size, 6, 16, seed=seed + i)
         st = DecodeLoop(engine, pool, variant, RandomModes(seed + i)).run(reqs, concurrency)
         runs.append({"outputs": st.outputs, "steps": st.steps, "accepted": st.draft_tokens_accepted,

@@ -1,8 +1,10 @@
 """Tensor parallelism for the reference engine: sharded layers over ``torch.distributed``.
 
 Every rank builds the SAME full model from the same seed as a single-process engine would, then keeps its
-shard (:meth:`TensorParallel.shard`), so a TP run computes what the TP=1 run computes, up to the rounding
-of the split sums. The split, Megatron-style, for a world of ``N`` ranks:
+shard (:meth:`TensorParallel.shard`), so a TP run computes what the TP=1 run computes, up to the rounding of
+the split sums. (Each rank holds the full weights for a moment while it shards them: fine for this engine's
+test models, not how a model too large for one GPU would be loaded.)
+The split, Megatron-style, for a world of ``N`` ranks:
 
 * ``qkv_proj``: column-parallel; rank ``r`` keeps query heads ``[r*H/N, (r+1)*H/N)`` and KV heads
   ``[r*KVH/N, (r+1)*KVH/N)``, so each local query head still reads its own KV head. The KV cache is sharded
@@ -27,19 +29,19 @@ same requests, and the only values the host reads back from the device (a verify
 derive from all-gathered logits, identical on every rank; :class:`graphpool.SpeculationPolicy` depends only
 on the batch size, and the padded size is the pool's routing of it over identical captured sizes. This is
 how SGLang's TP ranks work too (each rank runs a scheduler on the broadcast requests). A broadcast per step
-would cost a host-side collective (tens of microseconds, the size of graphpool's whole staging cost) to
-send a value each rank already has. Anything a rank measures itself is rank-local and must not steer a
-step: the benchmark's automatic threshold (picked from timings) is taken from rank 0 once, before the
-dynamic runs (:meth:`TensorParallel.broadcast`), and its timed windows end after a step count, never on a
-clock (``decode_loop.py`` refuses ``--min-seconds`` with ``--tp``). What can still break it (a rank-local
-clock or RNG in a policy) is what the debug check catches: with ``TensorParallel(check=True)``, every step compares
+would cost a host-side collective (tens of microseconds, the size of graphpool's whole staging cost) to send
+a value each rank already has. Anything a rank measures itself is rank-local and must not steer a step: the
+benchmark's automatic threshold (picked from timings) is taken from rank 0 once, before the dynamic runs
+(:meth:`TensorParallel.broadcast`), and its timed windows end after a step count, never on a clock
+(``decode_loop.py`` refuses ``--min-seconds`` with ``--tp``). What can still break it (a rank-local clock or
+RNG in a policy) is what the debug check catches: with ``TensorParallel(check=True)``, every step compares
 (step counter, mode, padded and real batch size) across ranks before it replays
-(:class:`bench.engine.agreement.StepAgreement`) and raises :class:`~bench.engine.agreement.RankDisagreementError`
-on every rank, naming the ranks that disagree, instead of hanging.
+(:class:`bench.engine.agreement.StepAgreement`) and raises
+:class:`~bench.engine.agreement.RankDisagreementError` on every rank, naming the ranks that disagree,
+instead of hanging.
 """
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Any, Callable
 
@@ -51,8 +53,6 @@ from torch import nn
 from .agreement import StepAgreement
 from .config import ModelConfig
 from .model import LlamaModel
-
-log = logging.getLogger(__name__)
 
 PrepareFn = Callable[[Any, int], None]
 

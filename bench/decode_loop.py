@@ -13,6 +13,7 @@ twin (no CUDA graphs), in well under a minute: the numbers then show the loop wo
 
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
+    python bench/decode_loop.py --tp 2     # tensor parallel over 2 ranks (GPUs, or gloo on CPU); rank 0 prints
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
@@ -65,6 +66,7 @@ from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa
 from bench.engine.costs import roofline_table, total_params  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
+from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
 from bench.decode_report import LABELS, check_targets, plot, table  # noqa: E402
 from graphpool import SpeculationPolicy  # noqa: E402
 
@@ -123,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/decode_loop", help="output prefix (.json and .png)")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_tp_arguments(p)
     return p.parse_args(argv)
 
 
@@ -210,6 +213,19 @@ def match_rate(a: dict, b: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parse_args(argv))
+    if args.tp > 1:  # every rank runs `run`; see bench/engine/tp_launch.py
+        if args.min_seconds:
+            raise SystemExit("--min-seconds cannot be used with --tp: each rank would end its windows on its own "
+                             "clock, after a different number of steps, and the ranks' collectives would deadlock")
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        return run_ranks(run, args.tp, (args,), backend=backend, check=args.tp_check)[0]
+    return run(None, args)
+
+
+def run(tp, args: argparse.Namespace) -> int:
+    """The benchmark on one process, or on one tensor-parallel rank (``tp``; only rank 0 writes files)."""
+    if tp is not None and args.device.startswith("cuda"):
+        args.device = f"cuda:{torch.cuda.current_device()}"  # the launcher set this rank's GPU
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     cfg = PRESETS[args.size].model()
     spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
@@ -219,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
           f"{cfg.intermediate_size}, {params / 1e9:.2f} B parameters) in {args.dtype} on {args.device}"
           + ("" if gpu else " using graphpool's eager twin (no CUDA graphs on CPU)")
+          + (f", tensor parallel over {tp.size} ranks" if tp is not None else "")
           + f"; C in {args.concurrency}; draft tree topk {spec.topk} x steps {spec.steps}, "
           f"{spec.num_draft_tokens} tokens verified per sequence; draft noise {spec.draft_noise}; "
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
-                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True)
+                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp)
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend)", flush=True)
     roofline = roofline_table(cfg, spec, args.concurrency, key_len(engine.max_context, 1))
@@ -238,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if phase is second and phase:
             if args.threshold == "auto":
                 threshold, resume = choose_threshold(results, args.concurrency)
+                if tp is not None:  # chosen from rank-local timings: every rank must use rank 0's choice
+                    threshold, resume = tp.broadcast((threshold, resume))
             else:
                 threshold = resume = int(args.threshold)
             print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume}"
@@ -262,11 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines(),
             "crossover": crossover(results, args.concurrency), "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                                                     "graph_mib": pool.stats.graph_bytes / 2**20},
-            "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks}, indent=1,
-                                                   default=str))
-    png = plot(results, args.concurrency, out.with_suffix(".png"), title=f"{args.size} model, {args.dtype}, {meta['device']}")
-    print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
+            "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
+            "tp": tp.size if tp is not None else 1}
+    if tp is None or tp.rank == 0:
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks}, indent=1,
+                                                       default=str))
+        png = plot(results, args.concurrency, out.with_suffix(".png"),
+                   title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""))
+        print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
     print(pool.stats.table())
     note = ""
     if threshold is not None:

@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tp", type=int, default=2,
+                     help="tensor-parallel ranks of the GPU tests in tests/test_engine_tp.py (one GPU each)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -49,13 +49,15 @@ class Alternate:
         return "verify" if (self.calls // self.every) % 2 else "decode"
 
 
-def _engine(device, cfg=CFG, spec=None):
+def _engine(device, cfg=CFG, spec=None, tp=None):
     spec = spec or SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
-    return build(cfg, spec, [1, 2, 4], PROMPT, 24, device=device, dtype=torch.float32)
+    return build(cfg, spec, [1, 2, 4], PROMPT, 24, device=device, dtype=torch.float32, tp=tp)
 
 
-def _check_variants(device, cfg=CFG, spec=None):
-    engine, pool = _engine(device, cfg, spec)
+def _check_variants(device, cfg=CFG, spec=None, tp=None):
+    """Also runs on every rank of a tensor-parallel engine (tests/test_engine_tp.py): the oracle then runs
+    the rank's sharded model, whose collectives every rank joins in the same order."""
+    engine, pool = _engine(device, cfg, spec, tp)
     reqs = make_requests(7, PROMPT, cfg.vocab_size, 8, 24, seed=3)
     plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)  # 3 pads to the bs-4 graphs
     for r in reqs[:3]:
@@ -94,25 +96,33 @@ def test_variants_match_plain_decode_benchmark_model_fp32_gpu():
 
 
 def test_draft_kv_after_catch_up_equals_fresh_draft_prefill():
-    engine, pool = _engine("cpu")
+    _check_catch_up("cpu")
+
+
+def _check_catch_up(device, tp=None):
+    engine, pool = _engine(device, tp=tp)
     (req,) = make_requests(1, PROMPT, CFG.vocab_size, 20, 20, seed=5)
     loop = DecodeLoop(engine, pool, "plain")
     row = int(loop._admit([req])[0])
-    lens, rows = torch.tensor([PROMPT]), torch.tensor([row])
+    lens, rows = torch.tensor([PROMPT], device=engine.device), torch.tensor([row], device=engine.device)
     for _ in range(10):  # plain steps leave the draft KV behind
         pool.run("decode", seq_lens=lens, req_pool_indices=rows)
         lens += 1
     upto = int(lens) - 1
     engine.draft_catch_up(row, PROMPT - 1, upto)
     dense = DenseCausal()
-    engine.draft(engine.token_table[row, :upto], torch.arange(upto), dense)
+    engine.draft(engine.token_table[row, :upto], torch.arange(upto, device=engine.device), dense)
     slots = engine.req_to_token[row, :upto]
     torch.testing.assert_close(engine.draft_attn.cache.k[0][slots], dense.keys[0], rtol=1e-4, atol=1e-4)
     engine.rows.free(row)
 
 
 def test_every_step_replays_a_graph():
-    engine, pool = _engine("cpu")
+    _check_every_step_replays("cpu")
+
+
+def _check_every_step_replays(device, tp=None):
+    engine, pool = _engine(device, tp=tp)
     before = pool.stats.replays
     st = DecodeLoop(engine, pool, "dynamic", SpeculationPolicy(2, 1)).run(
         make_requests(5, PROMPT, CFG.vocab_size, 6, 12), 4)

@@ -12,6 +12,9 @@ Stable pieces (import them on their own):
   longhand :func:`reference_attention` oracle.
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
 * :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
+* :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the
+  same decision per step), :mod:`bench.engine.agreement` (the per-step cross-rank check and
+  :class:`RankDisagreementError`), :mod:`bench.engine.tp_launch` (spawn or torchrun, teardown order).
 """
 from .attention import AttnMeta, PagedAttention, attend, reference_attention
 from .config import ModelConfig, SpecConfig, dtype_from_name

@@ -22,6 +22,7 @@ from .attention import AttnMeta, PagedAttention
 from .config import ModelConfig, SpecConfig
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import LlamaModel, build_draft, build_target
+from .parallel import TensorParallel
 from .tree import DEPTH_PENALTY, greedy_accept, select_tree
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,13 @@ class Engine:
         max_new_tokens: the longest output a request may ask for.
         device, dtype: where and in what precision the models and caches live.
         seed: weights seed (the draft uses ``seed + 1``).
+        tp: tensor parallelism (:mod:`bench.engine.parallel`): this rank keeps its shard of the same full
+            weights and its KV heads; ``None`` runs the whole model in this process.
     """
 
     def __init__(self, cfg: ModelConfig, spec: SpecConfig, max_rows: int, prompt_len: int, max_new_tokens: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 tp: TensorParallel | None = None):
         if prompt_len < spec.window + 1:
             raise ValueError(f"prompt_len must be >= {spec.window + 1} (the draft re-reads the last "
                              f"{spec.window} tokens), got {prompt_len}")
@@ -58,11 +62,17 @@ class Engine:
             raise ValueError(f"max_context {self.max_context} exceeds the model's max_positions {cfg.max_positions}")
         self.target = build_target(cfg, seed, self.device, dtype)
         self.draft = build_draft(self.target, spec.draft_layers, spec.draft_noise, seed + 1)
+        self.tp = tp
+        # Heads this process attends over (its shard under tensor parallelism); the KV cache holds these.
+        self.num_heads, self.num_kv_heads = tp.local_heads(cfg) if tp else (cfg.num_heads, cfg.num_kv_heads)
+        if tp is not None:  # shard both models only now: the draft is made from the full target
+            tp.shard(self.target)
+            tp.shard(self.draft)
         num_slots = 1 + max_rows * self.max_context
         self.slots = SlotAllocator(num_slots)
         self.rows = ReqToTokenPool(max_rows, self.max_context, self.slots, self.device)
         self.req_to_token = self.rows.req_to_token
-        kv = (num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        kv = (num_slots, self.num_kv_heads, cfg.head_dim, dtype, self.device)
         self.target_attn = PagedAttention(KVCache(cfg.num_layers, *kv))
         self.draft_attn = PagedAttention(KVCache(spec.draft_layers, *kv))
         self.token_table = torch.zeros(max_rows + 1, self.max_context, dtype=torch.int64, device=self.device)
@@ -89,6 +99,8 @@ class Engine:
         """The step function the pool captures: dispatch on the batch's mode."""
         seq_lens, rows = batch.inputs["seq_lens"], batch.inputs["req_pool_indices"]
         name = batch.mode.name
+        if self.tp is not None and not batch.captured:  # graphs are checked in the pool's prepare hook
+            self.tp.agree(f"eager_{name}", batch.bs, batch.bs)
         if name == "decode":
             return self.decode(seq_lens, rows)
         if name == "verify":
@@ -191,6 +203,8 @@ class Engine:
         steps, before speculation resumes). Not graphed: it only runs when the mode switches."""
         if upto <= draft_len:
             return
+        if self.tp is not None:
+            self.tp.agree("draft_catch_up", 1, upto - draft_len)
         rows = torch.tensor([row], device=self.device)
         pos = torch.arange(draft_len, upto, device=self.device)[None, :]
         self.draft_attn.meta = self._meta_causal(rows, torch.tensor([draft_len], device=self.device), pos)

@@ -157,7 +157,7 @@ def _no_expert_parallel(monkeypatch):
 
 def test_signatures_match_sglang_cuda_graph_runner():
     ours, theirs = MultiModeCudaGraphRunner, sglang_runner.CudaGraphRunner
-    for name in ("__init__", "can_run", "capture", "replay_prepare", "replay", "recapture_if_needed", "get_spec_info"):
+    for name in ("__init__", "can_run", "capture", "replay_prepare", "replay", "get_spec_info"):
         got, want = inspect.signature(getattr(ours, name)), inspect.signature(getattr(theirs, name))
         assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == \
                [(p.name, p.kind, p.default) for p in want.parameters.values()], f"{name}: {got} != {want}"
@@ -218,6 +218,37 @@ def test_can_run_rejects_what_no_graph_serves():
     fb = H.decode_batch(mr, reqs, [0, 1], alloc)
     fb.capture_hidden_mode = CaptureHiddenMode.LAST
     assert not runner.can_run(fb), "hidden states the DECODE graphs were not captured with"
+    assert runner.refusals == {"decode bs 5 > 4": 1, "decode with 8 tokens for bs 2": 1,
+                               "decode asks hidden states LAST, captured FULL": 1}
+    assert "eager fallbacks: decode asks hidden states LAST, captured FULL: 1" in runner.replay_log.line()
+
+
+def test_hidden_modes_fixed_at_construction_and_seq_lens_staged_without_allocating():
+    """No recapture on the step path: a batch that needs no hidden states replays the FULL graphs; one
+    that needs hidden states no graph returns runs eagerly through SGLang's routing. int64 seq_lens are
+    staged through the runner's int32 buffer, allocated once."""
+    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4))
+    mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=True)
+    runner = mr.graph_runner = MultiModeCudaGraphRunner(mr)
+    reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=7)
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    H.prefill(mr, reqs, alloc)
+    captures, staged = [], []
+    capture, stage = runner.capture, runner.pool.stage
+    runner.capture = lambda: captures.append(1) or capture()
+    runner.pool.stage = lambda mode, **kw: staged.append(kw["seq_lens"]) or stage(mode, **kw)
+    fb = H.decode_batch(mr, reqs, [0, 1, 2], alloc)
+    fb.capture_hidden_mode = CaptureHiddenMode.NULL
+    assert fb.seq_lens.dtype == torch.int64
+    out = mr.forward(fb)
+    assert out.can_run_graph and not captures
+    assert staged[-1].dtype == torch.int32 and staged[-1].tolist() == fb.seq_lens.tolist()
+    assert staged[-1].untyped_storage().data_ptr() == runner._seq_lens_int32.untyped_storage().data_ptr()
+    fb = H.decode_batch(mr, reqs, [3, 4], alloc)
+    fb.capture_hidden_mode = CaptureHiddenMode.LAST
+    out = mr.forward(fb)
+    assert not out.can_run_graph and not captures, "eager, as SGLang's runner does for an uncaptured hidden mode"
+    assert runner.replay_log.counts == {ForwardMode.DECODE: 1}
 
 
 def test_unsupported_server_is_refused_with_the_reasons():

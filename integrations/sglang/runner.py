@@ -12,7 +12,7 @@ global graph memory pool, and routes each step by its own forward mode:
 
 The attention backend's graph state is initialised once, sized for the largest mode, and receives the
 batch's own forward mode at capture and at replay. The hidden-state capture mode is kept per forward
-mode. The split use of EAGLE v2 (``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
+mode and fixed at construction: nothing is recaptured on the step path. The split use of EAGLE v2 (``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
 skip_attn_backend_init=True)``) keeps working.
 
 .. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).
@@ -32,6 +32,7 @@ from sglang.srt.model_executor import cuda_graph_runner as sglang_runner
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
 
+from .replay_log import ReplayLog
 from .support import capture_batch_sizes, unsupported_reasons
 
 if TYPE_CHECKING:
@@ -110,6 +111,10 @@ class MultiModeCudaGraphRunner:
         self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
                                       * self.num_tokens_per_bs, dtype=torch.bool, device=self.device)
         self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        self._seq_lens_int32 = torch.zeros((self.max_bs,), dtype=torch.int32, device=self.device)
+        #: Eager fallbacks by reason (``can_run`` refusals), and replays by forward mode, both logged.
+        self.refusals: Dict[str, int] = {}
+        self.replay_log = ReplayLog(self.refusals)
 
         self.graphs: Dict[GraphId, Any] = {}
         self.output_buffers: Dict[GraphId, Any] = {}
@@ -251,37 +256,51 @@ class MultiModeCudaGraphRunner:
 
     # ----------------------------------------------------------------------------------- steps
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode."""
-        mode = forward_batch.forward_mode
-        tokens = self.tokens_per_mode.get(mode)
-        bs = forward_batch.batch_size
-        if tokens is None or forward_batch.replace_embeds is not None or bs < 1:
-            return False
-        if not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
-            return False
-        # The check SGLang lacks: a step carries exactly bs x tokens_per_seq tokens of its own mode.
-        if forward_batch.input_ids.shape[0] != bs * tokens:
-            return False
-        requested = _requested_hidden_mode(forward_batch)
-        return requested == CaptureHiddenMode.NULL or requested == self.capture_hidden_modes[mode]
+        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode.
 
-    def recapture_if_needed(self, forward_batch: ForwardBatch) -> None:
-        """Recapture when the batch asks for hidden states its mode's graphs do not return."""
-        mode = forward_batch.forward_mode
-        required = max(_requested_hidden_mode(forward_batch),
-                       CaptureHiddenMode.FULL if self.model_runner.server_args.enable_return_hidden_states
-                       else CaptureHiddenMode.NULL)
-        if mode in self.capture_hidden_modes and required not in (CaptureHiddenMode.NULL,
-                                                                   self.capture_hidden_modes[mode]):
-            log.warning("recapturing graphs: %s steps now need hidden states %s (captured with %s)",
-                        mode.name, required.name, self.capture_hidden_modes[mode].name)
-            self.capture_hidden_modes[mode] = required
-            self.capture()
+        The pool routes (``pool.route``: the smallest captured batch size >= the batch's); this adds what
+        only SGLang's batch tells: one token per sequence of the mode, and hidden states the mode's graphs
+        return. A ``False`` makes SGLang run the step eagerly, as its own runner does for a hidden mode it
+        did not capture; every refusal is counted by reason (:attr:`refusals`).
+        """
+        name = MODE_NAMES.get(forward_batch.forward_mode)
+        if name is None:  # EXTEND, IDLE, ...: SGLang never asks for those, but a caller may
+            return False
+        reason = self._refusal(name, forward_batch)
+        if reason is not None:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            if self.refusals[reason] == 1:
+                log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
+                            forward_batch.forward_mode.name, reason)
+            return False
+        return True
+
+    def _refusal(self, name: str, forward_batch: ForwardBatch) -> Optional[str]:
+        """Why no graph serves the batch, ``None`` when one does."""
+        bs = forward_batch.batch_size
+        padded = self.pool.route(name, bs)
+        if padded is None:
+            return f"{name} bs {bs} > {self.max_bs}"
+        if self.disable_padding and padded != bs:
+            return f"{name} bs {bs} not captured (padding disabled)"
+        if forward_batch.replace_embeds is not None:
+            return "replace_embeds"
+        # The check SGLang lacks: a step carries exactly bs x tokens_per_seq tokens of its own mode.
+        if forward_batch.input_ids.shape[0] != bs * self.pool.modes[name].tokens_per_seq:
+            return f"{name} with {forward_batch.input_ids.shape[0]} tokens for bs {bs}"
+        requested = _requested_hidden_mode(forward_batch)
+        captured = self.capture_hidden_modes[forward_batch.forward_mode]
+        if requested != CaptureHiddenMode.NULL and requested != captured:
+            return f"{name} asks hidden states {requested.name}, captured {captured.name}"
+        return None
 
     def replay_prepare(self, forward_batch: ForwardBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Step:
         """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
-        ``raw_num_token``. Returns the staged step (SGLang ignores the return value)."""
-        self.recapture_if_needed(forward_batch)
+        ``raw_num_token``. Returns the staged step (SGLang ignores the return value).
+
+        Never recaptures: hidden-state modes are fixed at construction, and :meth:`can_run` sends a batch
+        that needs another one to SGLang's eager path.
+        """
         step = self._stage(forward_batch)
         mode, bs, raw_bs = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size
         if forward_batch.seq_lens_cpu is not None:
@@ -308,14 +327,24 @@ class MultiModeCudaGraphRunner:
         """
         step = self._stage(forward_batch) if skip_attn_backend_init else self.replay_prepare(forward_batch)
         out = self.pool.replay(step)
+        self.replay_log.count(forward_batch.forward_mode)
         return LogitsProcessorOutput(next_token_logits=out["next_token_logits"], hidden_states=out["hidden_states"])
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
-        # seq_lens arrive as int64 from the scheduler; the graphs read int32 (as SGLang's buffers do).
         return self.pool.stage(
             MODE_NAMES[forward_batch.forward_mode], input_ids=forward_batch.input_ids,
             positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc,
-            seq_lens=forward_batch.seq_lens.to(torch.int32), req_pool_indices=forward_batch.req_pool_indices)
+            seq_lens=self._int32_seq_lens(forward_batch), req_pool_indices=forward_batch.req_pool_indices)
+
+    def _int32_seq_lens(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """``seq_lens`` as int32, the dtype of SGLang's graph buffers and what its attention backends read
+        in graphs. The scheduler's are int64: converted into a buffer allocated once, not a new tensor."""
+        seq_lens = forward_batch.seq_lens
+        if seq_lens.dtype == torch.int32:
+            return seq_lens
+        staged = self._seq_lens_int32[:seq_lens.shape[0]]
+        staged.copy_(seq_lens)
+        return staged
 
     def get_spec_info(self, num_tokens: int) -> Any:
         """The verify input graphs of the primary mode are captured with (SGLang's method name)."""

@@ -1,0 +1,49 @@
+"""Replays per forward mode, in the server log: what shows that each step reached the graph of its mode.
+
+SGLang's decode log says ``cuda graph: True`` but not which graph. :class:`ReplayLog` counts the
+multi-mode runner's replays by forward mode and logs one line at the first replay of each mode and every
+``every`` replays after, with the eager fallbacks (``can_run`` refusals) by reason::
+
+    graphpool replays by mode: DECODE=1500 TARGET_VERIFY=820; eager fallbacks: none
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Mapping
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+log = logging.getLogger(__name__)
+
+#: Replays between two log lines; the environment variable overrides it (e.g. for short benchmarks).
+DEFAULT_EVERY = int(os.environ.get("GRAPHPOOL_REPLAY_LOG_EVERY", "500"))
+
+
+class ReplayLog:
+    """Replay counts by forward mode, logged periodically.
+
+    Args:
+        refusals: the runner's eager fallbacks by reason (read, not owned: the runner counts them).
+        every: replays between two log lines (at least 1).
+    """
+
+    def __init__(self, refusals: Mapping[str, int], every: int = DEFAULT_EVERY):
+        if every < 1:
+            raise ValueError(f"ReplayLog: every must be >= 1 replay, got {every}")
+        self.refusals, self.every = refusals, every
+        self.counts: Dict[ForwardMode, int] = {}
+        self.total = 0
+
+    def count(self, mode: ForwardMode) -> None:
+        """One replay of ``mode``; logs at the mode's first replay and every ``every`` replays."""
+        n = self.counts[mode] = self.counts.get(mode, 0) + 1
+        self.total += 1
+        if n == 1 or self.total % self.every == 0:
+            log.info("%s", self.line())
+
+    def line(self) -> str:
+        """The log line: replays by mode, then eager fallbacks by reason."""
+        modes = " ".join(f"{m.name}={n}" for m, n in sorted(self.counts.items(), key=lambda kv: kv[0].name))
+        fallbacks = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.refusals.items())) or "none"
+        return f"graphpool replays by mode: {modes or 'none'}; eager fallbacks: {fallbacks}"

@@ -109,19 +109,48 @@ class TorchPagedAttention(AttentionBackend):
         self.graph_state_inits: List[Tuple[int, int]] = []
         self.graph_meta: Dict[Tuple[ForwardMode, int], engine_attention.AttnMeta] = {}
         self.replay_log: List[Tuple[ForwardMode, int]] = []
+        self.ragged: Optional[torch.Tensor] = None  # real-token rows of a ragged extend's padded layout
 
     # eager path ------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         mode, bs = fb.forward_mode, fb.batch_size
-        if mode == ForwardMode.EXTEND:  # uniform-length extend (prefill / draft extend): causal
-            t = fb.input_ids.shape[0] // bs
-            tree = torch.ones((t, t), dtype=torch.bool, device=fb.seq_lens.device).tril().expand(bs, t, t)
-        elif mode.is_decode() or mode.is_target_verify():
+        self.ragged = None
+        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):  # prefill, draft catch-up: causal
+            self.forward_metadata, self.ragged = self._extend_meta(fb)
+            return
+        if mode.is_decode() or mode.is_target_verify():
             tree = self._tree(mode, bs, fb.seq_lens, fb.spec_info)
         else:
             raise ValueError(f"TorchPagedAttention: unsupported forward mode {mode.name}")
         self.forward_metadata = self._meta(mode, bs, fb.req_pool_indices, fb.seq_lens, tree)
+
+    def _extend_meta(self, fb: ForwardBatch) -> Tuple[engine_attention.AttnMeta, Optional[torch.Tensor]]:
+        """Causal metadata for an extend whose sequences add ``extend_seq_lens`` tokens each (uniform
+        when the batch gives none), ending at ``seq_lens``. Ragged lengths are padded to the longest:
+        returns the metadata of the padded ``[bs, T]`` layout and the flat rows of the real tokens in it
+        (``None`` when no row is padded)."""
+        bs, lens_all = fb.batch_size, fb.seq_lens[:fb.batch_size].long()
+        dev = lens_all.device
+        if fb.extend_seq_lens is not None:
+            lens = fb.extend_seq_lens[:bs].long().to(dev)
+        else:
+            lens = torch.full((bs,), fb.input_ids.shape[0] // bs, dtype=torch.int64, device=dev)
+        t = int(lens.max())
+        start = lens_all - lens
+        cols = torch.arange(t, device=dev)
+        valid = cols[None, :] < lens[:, None]
+        table = self.req_to_token_pool.req_to_token
+        pos = (start[:, None] + cols[None, :]).clamp(max=table.shape[1] - 1)
+        slots = torch.where(valid, table[fb.req_pool_indices[:, None], pos].long(), 0)
+        # Keys past a sequence's length are masked; every query keeps its own slot (no empty row).
+        tree = (torch.ones((t, t), dtype=torch.bool, device=dev).tril() & valid[:, None, :]) \
+            | torch.eye(t, dtype=torch.bool, device=dev)
+        group = self.cfg.model.num_heads // self.cfg.model.num_kv_heads
+        meta = engine_attention.AttnMeta.build(table, fb.req_pool_indices, start, slots, slots, tree,
+                                               self.cfg.max_ctx, group)
+        ragged = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+        return meta, ragged
 
     def _meta(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, tree) -> engine_attention.AttnMeta:
         """The engine's metadata for ``bs`` sequences whose step tokens see each other under ``tree``."""
@@ -166,7 +195,7 @@ class TorchPagedAttention(AttentionBackend):
         meta = engine_attention.AttnMeta(bs, per_seq, s.write_slots[:bs * per_seq], s.gather_idx[:bs], s.mask[:bs])
         self.graph_meta[(forward_mode, bs)] = meta
         self._fill(meta, forward_mode, bs, req_pool_indices, seq_lens, None)
-        self.forward_metadata = meta
+        self.forward_metadata, self.ragged = meta, None
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode, spec_info, seq_lens_cpu):
@@ -175,7 +204,7 @@ class TorchPagedAttention(AttentionBackend):
             raise KeyError(f"no {forward_mode.name} graph metadata for bs={bs}: captured {sorted(self.graph_meta)}")
         self._fill(meta, forward_mode, bs, req_pool_indices, seq_lens, spec_info)
         self.replay_log.append((forward_mode, bs))
-        self.forward_metadata = meta
+        self.forward_metadata, self.ragged = meta, None
 
     def _fill(self, meta, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info) -> None:
         """Write the step's metadata into a graph's static views (outside the graph)."""
@@ -190,8 +219,17 @@ class TorchPagedAttention(AttentionBackend):
     # kernels (the engine's: graph-safe, fixed shapes, no host sync) -----------------------------------
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         # K and V go where SGLang says, out_cache_loc: padded graph rows carry the dummy slot there.
-        meta = replace(self.forward_metadata, write_slots=forward_batch.out_cache_loc)
-        return engine_attention.PagedAttention(self.kv_pool, meta)(layer.layer_id, q, k, v)
+        ragged = self.ragged
+        if ragged is None:
+            meta = replace(self.forward_metadata, write_slots=forward_batch.out_cache_loc)
+            return engine_attention.PagedAttention(self.kv_pool, meta)(layer.layer_id, q, k, v)
+        # Ragged extend: scatter the real tokens into the padded layout (padding writes the dummy slot 0).
+        meta = self.forward_metadata
+        write = torch.zeros_like(meta.write_slots)
+        write[ragged] = forward_batch.out_cache_loc.long()
+        padded = [x.new_zeros((meta.write_slots.shape[0], *x.shape[1:])).index_copy_(0, ragged, x) for x in (q, k, v)]
+        out = engine_attention.PagedAttention(self.kv_pool, replace(meta, write_slots=write))(layer.layer_id, *padded)
+        return out[ragged]
 
     forward_decode = forward_extend = _attend
 
@@ -236,8 +274,19 @@ class SGLangModel(nn.Module):
 
         hidden = self.llama(input_ids, positions, attn)
         want = forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL
-        return LogitsProcessorOutput(next_token_logits=self.llama.logits(hidden),
-                                     hidden_states=hidden if want.need_capture() else None)
+        logits = self.llama.logits(hidden)
+        if forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+            # SGLang's logits processor keeps the last token of each sequence of an extend.
+            lens = forward_batch.extend_seq_lens
+            if lens is not None:
+                last = torch.cumsum(lens.long().to(hidden.device), 0) - 1
+            else:
+                n = input_ids.shape[0] // forward_batch.batch_size
+                last = torch.arange(1, forward_batch.batch_size + 1, device=hidden.device) * n - 1
+            logits = logits[last]
+            if want == CaptureHiddenMode.LAST:
+                hidden = hidden[last]
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden if want.need_capture() else None)
 
 
 # ----------------------------------------------------------------------------------- model runner
@@ -274,9 +323,10 @@ class HarnessModelRunner:
         self.device_timer = None
         self.is_generation = True
 
-    def forward(self, forward_batch: ForwardBatch) -> Any:
+    def forward(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool = False,
+                pp_proxy_tensors: Any = None) -> Any:
         """SGLang's ``ModelRunner._forward_raw``: graph replay when ``graph_runner.can_run``, else eager."""
-        return self._forward_raw(forward_batch, False, None)
+        return self._forward_raw(forward_batch, skip_attn_backend_init, pp_proxy_tensors)
 
 
 # ----------------------------------------------------------------------------------- steps

@@ -13,20 +13,23 @@ when speculation is on:
 4. keep the draft model's KV in step: a one-token draft extend at the same position, fed the target's
    hidden state, exactly what EAGLE does after a verify, so speculation resumes cleanly.
 
-:func:`plain_decode_batch` (steps 1-2) is plain tensors on SGLang objects and is what the CPU harness
-drives; :func:`eagle_v1_plain_decode` wires all four steps into SGLang's EAGLE v1 worker.
+:func:`plain_decode_batch` (steps 1-2) is plain tensors on SGLang objects (the harness's engine-level
+test drives it); :func:`~.eagle_v1_plain.eagle_v1_plain_decode` wires all four steps into SGLang's EAGLE
+v1 worker together with the bookkeeping spec v1 leaves to its verify step (tokens recorded, finish
+checks, draft state for unfinished rows), and :func:`install_speculation_switch` installs it.
 """
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from graphpool import SpeculationPolicy
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+from .eagle_v1_plain import eagle_v1_plain_decode, process_plain_step_result
 
 log = logging.getLogger(__name__)
 
@@ -91,92 +94,67 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
 
 
 # ----------------------------------------------------------------------------------- EAGLE v1 wiring
-@dataclass
-class _Saved:
-    forward_mode: ForwardMode
-    spec_info: Any
-
-
-def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
-    """One plain decode step of an EAGLE v1 ``batch`` (a ``ScheduleBatch`` in DECODE mode).
-
-    Returns SGLang's ``GenerationBatchResult`` with one token per sequence; leaves ``batch.spec_info``
-    an ``EagleDraftInput`` for the next speculative round, as a verify step would.
-    """
-    from sglang.srt.managers.scheduler import GenerationBatchResult
-    from sglang.srt.mem_cache.common import alloc_for_decode
-
-    draft_input = batch.spec_info
-    bs = batch.batch_size()
-    for req in batch.reqs:
-        req.decode_batch_idx += 1
-        req.kv_committed_len += 1
-    prefix_lens_cpu = batch.seq_lens_cpu.clone()
-    # Steps 1-2 through SGLang's own allocator; alloc_for_decode writes req_to_token at seq_lens.
-    batch.out_cache_loc = alloc_for_decode(batch, token_per_req=1)
-    batch.input_ids = draft_input.bonus_tokens.to(torch.int64)
-    batch.forward_mode, batch.spec_info = ForwardMode.DECODE, None
-    batch.seq_lens = batch.seq_lens + 1
-    batch.seq_lens_cpu = batch.seq_lens_cpu + 1
-    batch.orig_seq_lens = batch.orig_seq_lens + 1
-    batch.seq_lens_sum += bs
-    # Step 3: the target in DECODE mode; the multi-mode runner replays a DECODE graph.
-    worker_batch = batch.get_model_worker_batch()
-    worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-    result = worker.target_worker.forward_batch_generation(worker_batch)
-    # Step 4: one-token draft extend at the same slots, fed the target hidden state; EAGLE's
-    # prepare_for_extend turns input_ids into the token just produced.
-    batch.forward_mode = ForwardMode.EXTEND
-    batch.extend_lens = [1] * bs
-    batch.prefix_lens = prefix_lens_cpu.tolist()
-    batch.extend_num_tokens = bs
-    batch.extend_logprob_start_lens = [0] * bs
-    batch.return_logprob_backup, batch.return_logprob = batch.return_logprob, False
-    try:
-        worker.forward_draft_extend(batch, result.logits_output.hidden_states, result.next_token_ids,
-                                    batch.seq_lens_cpu)
-    finally:
-        batch.return_logprob = batch.return_logprob_backup
-        batch.forward_mode = ForwardMode.DECODE
-    return GenerationBatchResult(logits_output=result.logits_output, next_token_ids=result.next_token_ids,
-                                 num_correct_drafts=0, num_correct_drafts_per_req_cpu=[0] * bs,
-                                 can_run_cuda_graph=result.can_run_cuda_graph)
-
-
-_original_forward: Optional[Any] = None
+_originals: Dict[str, Any] = {}
 
 
 def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = None) -> SpeculationSwitch:
     """Make SGLang's EAGLE v1 worker decode plainly above ``off_above`` sequences (in this process).
 
-    Prefill batches and small decode batches keep SGLang's speculative path unchanged.
+    Prefill batches and small decode batches keep SGLang's speculative path unchanged. Two methods are
+    wrapped: ``EAGLEWorker.forward_batch_generation`` (the decision, and the plain step of
+    :func:`~.eagle_v1_plain.eagle_v1_plain_decode`) and ``Scheduler.process_batch_result_decode`` (plain
+    steps kept out of SGLang's speculation metrics). Installing again replaces the switch.
     """
-    global _original_forward
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
     switch = SpeculationSwitch(off_above, on_at_or_below)
-    original = _original_forward or EAGLEWorker.forward_batch_generation
+    original = _originals.get("forward") or EAGLEWorker.forward_batch_generation
+    process_decode = _originals.get("process_decode") or Scheduler.process_batch_result_decode
 
     @functools.wraps(original)
     def forward_batch_generation(self: Any, batch: Any) -> Any:
         is_decode = batch.forward_mode.is_decode() and not batch.is_extend_in_batch
-        if is_decode and not switch.speculate(batch.batch_size()):
-            return eagle_v1_plain_decode(self, batch)
-        return original(self, batch)
+        if not is_decode:
+            return original(self, batch)
+        switches = switch.switches
+        speculate = switch.speculate(batch.batch_size())
+        if switch.switches != switches:
+            _log_flip(self, speculate, batch.batch_size(), switch)
+        return original(self, batch) if speculate else eagle_v1_plain_decode(self, batch)
+
+    @functools.wraps(process_decode)
+    def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
+        return process_plain_step_result(process_decode, self, batch, result)
 
     forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
-    _original_forward = original
+    _originals.update(forward=original, process_decode=process_decode)
     EAGLEWorker.forward_batch_generation = forward_batch_generation
+    Scheduler.process_batch_result_decode = process_batch_result_decode
     log.info("graphpool: speculation off above %d sequences, back on at <= %d", switch.policy.off_above,
              switch.policy.on_at_or_below)
     return switch
 
 
-def uninstall_speculation_switch() -> None:
-    """Restore SGLang's ``EAGLEWorker.forward_batch_generation``."""
-    global _original_forward
-    if _original_forward is not None:
-        from sglang.srt.speculative.eagle_worker import EAGLEWorker
+def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: SpeculationSwitch) -> None:
+    """One log line per switch, with the target runner's replays by mode when it is graphpool's."""
+    runner = getattr(getattr(worker.target_worker, "model_runner", None), "graph_runner", None)
+    replays = getattr(runner, "replay_log", None)
+    log.info("graphpool switch: speculation %s at %d running requests (off above %d, on at <= %d)%s",
+             "ON" if speculate else "OFF", batch_size, switch.policy.off_above, switch.policy.on_at_or_below,
+             f"; {replays.line()}" if replays is not None else "; target runner: SGLang's own")
 
-        EAGLEWorker.forward_batch_generation = _original_forward
-        _original_forward = None
+
+def uninstall_speculation_switch() -> None:
+    """Restore SGLang's ``EAGLEWorker.forward_batch_generation`` and ``Scheduler.process_batch_result_decode``."""
+    if not _originals:
+        return
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+    EAGLEWorker.forward_batch_generation = _originals.pop("forward")
+    process_decode = _originals.pop("process_decode")
+    if "process_batch_result_decode" in Scheduler.__dict__:  # inherited from SGLang's mixin before install
+        del Scheduler.process_batch_result_decode
+    if Scheduler.process_batch_result_decode is not process_decode:
+        Scheduler.process_batch_result_decode = process_decode

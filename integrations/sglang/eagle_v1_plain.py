@@ -1,0 +1,210 @@
+"""One plain decode step inside SGLang's EAGLE v1 worker, with the bookkeeping spec v1 leaves to verify.
+
+With spec v1 (``EAGLEWorker``, no overlap scheduler) SGLang splits a decode step's bookkeeping between
+the worker and the scheduler: ``EagleVerifyInput.verify`` appends each accepted token to
+``req.output_ids`` and runs the finish check (length, stop tokens, EOS, ``ignore_eos``, aborts), the
+grammar's ``accept_token`` and the reasoning-token count, commits the KV lengths, leaves
+``batch.spec_info`` holding only the unfinished rows, and fills the logprobs; then the scheduler's
+``process_batch_result_decode`` only releases finished requests and streams. A plain step replaces
+verify, so :func:`eagle_v1_plain_decode` does all of that itself, the way SGLang's non-speculative
+decode path does it for one token:
+
+1. one KV slot per sequence (``alloc_for_decode``), ``input_ids`` = the last token, ``seq_lens + 1``;
+2. the target in DECODE mode (the multi-mode runner replays a DECODE graph), sampled by SGLang's
+   sampler (grammar masks, penalties, logprobs as in non-speculative decode);
+3. per request, as verify does per accepted token: record the token, reasoning count, finish check,
+   grammar ``accept_token``; KV lengths; logprobs as SGLang's decode path records them;
+4. the draft model's KV kept in step through SGLang's own post-verify draft extend
+   (``forward_draft_extend_after_decode``, as for a verify that accepted no draft), for the unfinished
+   rows only, so the scheduler's ``filter_batch`` finds the draft state it expects.
+
+The result is marked (:data:`PLAIN_STEP`) so that :func:`process_plain_step_result` keeps it out of
+SGLang's speculation metrics, which SGLang counts per decode batch in ``update_spec_metrics``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, List, Optional
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+log = logging.getLogger(__name__)
+
+#: Attribute set on the ``GenerationBatchResult`` of a plain step.
+PLAIN_STEP = "graphpool_plain_step"
+
+
+def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
+    """One plain decode step of an EAGLE v1 ``batch`` (a ``ScheduleBatch`` in DECODE mode).
+
+    Returns SGLang's ``GenerationBatchResult`` (one token per sequence, marked :data:`PLAIN_STEP`). On
+    return every request holds its new token and finish state, and ``batch.spec_info`` is an
+    ``EagleDraftInput`` for the unfinished rows only, as after SGLang's verify.
+    """
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+    from sglang.srt.mem_cache.common import alloc_for_decode
+
+    draft_input = batch.spec_info
+    bs = batch.batch_size()
+    last_tokens = draft_input.bonus_tokens.to(torch.int64)
+    # Penalties count the previous token, as SGLang's decode and EAGLE's draft preprocessing do.
+    if batch.sampling_info.penalizer_orchestrator.is_required:
+        batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(last_tokens)
+    # Step 1 through SGLang's allocator; alloc_for_decode records the slot in req_to_token at seq_lens.
+    batch.out_cache_loc = alloc_for_decode(batch, token_per_req=1)
+    for req in batch.reqs:
+        req.decode_batch_idx += 1
+        req.kv_committed_len += 1
+        req.kv_allocated_len += 1
+    batch.input_ids = last_tokens
+    batch.forward_mode, batch.spec_info = ForwardMode.DECODE, None
+    batch.seq_lens = batch.seq_lens + 1
+    batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+    batch.orig_seq_lens = batch.orig_seq_lens + 1
+    batch.seq_lens_sum += bs
+
+    # Step 2: the target in DECODE mode, sampled like SGLang's decode (the draft needs its hidden states).
+    standalone = worker.speculative_algorithm.is_standalone()
+    worker_batch = batch.get_model_worker_batch()
+    worker_batch.capture_hidden_mode = CaptureHiddenMode.NULL if standalone else CaptureHiddenMode.FULL
+    result = worker.target_worker.forward_batch_generation(worker_batch)
+    next_token_ids = result.next_token_ids
+    logits_output = result.logits_output
+
+    # Step 3: what spec v1's verify does per accepted token.
+    unfinished = record_tokens(batch, next_token_ids.tolist())
+    if batch.return_logprob:
+        record_logprobs(batch, logits_output, next_token_ids.tolist())
+
+    # Step 4: the draft's KV for the position the target just wrote; draft state for unfinished rows.
+    _draft_extend_after_plain_step(worker, batch, logits_output.hidden_states, next_token_ids, unfinished)
+
+    out = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids,
+                                num_correct_drafts=0, num_correct_drafts_per_req_cpu=[0] * bs,
+                                can_run_cuda_graph=result.can_run_cuda_graph)
+    setattr(out, PLAIN_STEP, True)
+    return out
+
+
+def record_tokens(batch: Any, next_token_ids: List[int]) -> List[int]:
+    """Append each request's new token and run its finish checks, in the order SGLang's spec-v1 verify
+    does for an accepted token; returns the indices of the requests still unfinished."""
+    think_end_id = batch.model_config.think_end_id
+    unfinished = []
+    for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids, strict=True)):
+        req.output_ids.append(token)
+        if req.require_reasoning and think_end_id is not None:
+            req.update_reasoning_tokens(token, think_end_id)
+        req.check_finished()
+        if not req.finished() and req.grammar is not None:
+            req.grammar.accept_token(token)  # a ValueError propagates, as from SGLang's verify
+            req.check_finished()
+        if not req.finished():
+            unfinished.append(i)
+    return unfinished
+
+
+def record_logprobs(batch: Any, logits_output: Any, next_token_ids: List[int]) -> None:
+    """Record the sampler's logprobs on each request that asked, as SGLang's non-speculative decode path
+    does in ``process_batch_result_decode`` (spec v1 leaves logprobs to the worker)."""
+    values = logits_output.next_token_logprobs.tolist()
+    top_val, top_idx = logits_output.next_token_top_logprobs_val, logits_output.next_token_top_logprobs_idx
+    ids_val, ids_idx = (logits_output.next_token_token_ids_logprobs_val,
+                        logits_output.next_token_token_ids_logprobs_idx)
+    for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids, strict=True)):
+        if not req.return_logprob:
+            continue
+        req.output_token_logprobs_val.append(values[i])
+        req.output_token_logprobs_idx.append(token)
+        if req.top_logprobs_num > 0:
+            req.output_top_logprobs_val.append(_as_list(top_val[i]))
+            req.output_top_logprobs_idx.append(_as_list(top_idx[i]))
+        if req.token_ids_logprob is not None:
+            req.output_token_ids_logprobs_val.append(_as_list(ids_val[i]))
+            req.output_token_ids_logprobs_idx.append(_as_list(ids_idx[i]))
+
+
+def _as_list(value: Any) -> Any:
+    # The sampler leaves per-row logprob tensors on the device (no_copy_to_cpu); the request keeps lists.
+    return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def _draft_extend_after_plain_step(worker: Any, batch: Any, hidden_states: Optional[torch.Tensor],
+                                   next_token_ids: torch.Tensor, unfinished: List[int]) -> None:
+    """Keep the draft's KV in step as SGLang does after a verify, through the same
+    ``EAGLEWorker.forward_draft_extend_after_decode`` (its CUDA graph where captured): a plain step is a
+    verify that accepted no draft, one token per unfinished sequence at the slot the target just
+    wrote, fed the target's hidden state there. Leaves ``batch.spec_info`` the next round's
+    ``EagleDraftInput`` for the unfinished rows only."""
+    from sglang.srt.layers.moe.utils import speculative_moe_a2a_backend_context, speculative_moe_backend_context
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    n, device = len(unfinished), next_token_ids.device
+    if n == 0 and not worker.server_args.enable_dp_attention:
+        worker._draft_preprocess_idle(batch)  # all finished: an empty draft input, as after such a verify
+        return
+    rows = None if n == batch.batch_size() else torch.tensor(unfinished, dtype=torch.int64, device=device)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t[rows]
+
+    batch.out_cache_loc = keep(batch.out_cache_loc)
+    batch.spec_info = EagleDraftExtendInput(
+        hidden_states=None if hidden_states is None else keep(hidden_states),
+        num_correct_drafts=torch.zeros((n,), dtype=torch.int32, device=device),
+        num_accept_tokens=torch.ones((n,), dtype=torch.int32, device=device), num_accept_tokens_cpu=[1] * n,
+        input_ids=keep(next_token_ids), seq_lens=keep(batch.seq_lens),
+        seq_lens_cpu=batch.seq_lens_cpu if rows is None else batch.seq_lens_cpu[unfinished],
+        req_pool_indices=keep(batch.req_pool_indices))
+    with (worker.draft_tp_context(worker.draft_model_runner.tp_group), speculative_moe_backend_context(),
+          speculative_moe_a2a_backend_context()):
+        batch.spec_info = worker.forward_draft_extend_after_decode(batch)
+
+
+def process_plain_step_result(original: Any, scheduler: Any, batch: Any, result: Any) -> Any:
+    """SGLang's ``process_batch_result_decode`` for a result; plain steps are kept out of its
+    speculation metrics (``update_spec_metrics``: accept length and rate count verify steps only)."""
+    if not getattr(result, PLAIN_STEP, False):
+        return original(scheduler, batch, result)
+    with _verify_steps_only(scheduler):
+        return original(scheduler, batch, result)
+
+
+@contextlib.contextmanager
+def _verify_steps_only(scheduler: Any) -> Iterator[None]:
+    # Instance attributes shadow the scheduler's methods for this one call.
+    scheduler.update_spec_metrics = _skip_spec_metrics
+    scheduler.report_decode_stats = _guarded_report(scheduler)
+    try:
+        yield
+    finally:
+        del scheduler.update_spec_metrics
+        del scheduler.report_decode_stats
+
+
+def _skip_spec_metrics(bs: int, num_correct_drafts: int) -> None:
+    """A plain step proposes no draft: nothing to add to the acceptance counters."""
+
+
+def _guarded_report(scheduler: Any) -> Any:
+    """``report_decode_stats`` that survives a log interval without a verify step: SGLang divides the
+    accepted tokens by the verify count, which only plain steps leave at zero. That line then reports
+    no acceptance, as for a server without speculation."""
+    report = type(scheduler).report_decode_stats
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if scheduler.spec_num_forward_ct > 0:
+            return report(scheduler, *args, **kwargs)
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        algorithm = scheduler.spec_algorithm
+        scheduler.spec_algorithm = SpeculativeAlgorithm.NONE
+        try:
+            return report(scheduler, *args, **kwargs)
+        finally:
+            scheduler.spec_algorithm = algorithm
+
+    return guarded

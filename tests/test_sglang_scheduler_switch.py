@@ -1,0 +1,178 @@
+"""The speculation switch under SGLang's real scheduler bookkeeping (spec v1, EAGLE worker, CPU).
+
+Requests arrive in two waves and finish at different times (length, stop token, EOS, an abort), so the
+running batch grows past the threshold and shrinks below it twice: the switch turns speculation off
+and on twice. Every step goes through SGLang's own scheduler methods and EAGLE v1 worker (see
+:mod:`tests.sglang_scheduler_harness` for what is real and what stands in). The oracle is plain greedy
+decoding of the same prompts without speculation, eager (token ids and logprobs), and the draft model's
+KV computed afresh. This is the test that the live server's crash showed missing: before the fix, plain
+steps recorded no token on the request (nothing ever finished) and left the draft state holding
+finished rows (``filter_batch``: "length of new_indices ... != length of topk_p").
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
+from tests import sglang_scheduler_harness as S
+
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from graphpool.integrations.sglang import install_speculation_switch, uninstall_speculation_switch
+
+PROMPT = 6
+OFF_ABOVE, ON_AT_OR_BELOW = 4, 2
+FIRST_WAVE, SECOND_WAVE = 8, 6
+
+
+def greedy_reference(cfg: H.HarnessConfig, prompts: List[List[int]], n: int) -> Tuple[List[List[int]], List[List[float]]]:
+    """``n`` tokens of plain greedy decoding per prompt without speculation (eager), and their logprobs."""
+    mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=False, model_seed=0)
+    reqs = H.Requests([list(p) for p in prompts])
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    H.prefill(mr, reqs, alloc)
+    logprobs: List[List[float]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))
+    for _ in range(n):
+        logits = mr.forward(H.decode_batch(mr, reqs, rows, alloc)).logits_output.next_token_logits
+        tokens = logits.argmax(-1)
+        chosen = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+        for r, t, lp in zip(rows, tokens.tolist(), chosen.tolist()):
+            reqs.tokens[r].append(t)
+            logprobs[r].append(lp)
+    return [t[PROMPT:] for t in reqs.tokens], logprobs
+
+
+def fresh_draft_kv_matches(world: S.SchedulerWorld) -> None:
+    """The draft model's KV of every running request equals a fresh draft prefill (the draft was kept
+    in step through plain and speculative steps alike). EAGLE's draft sees the sequence shifted by
+    one: at position ``p`` it reads token ``p + 1`` (with the target's hidden state at ``p``, which the
+    stand-in draft ignores), so its KV covers the committed positions with the tokens after them."""
+    cfg, batch = world.cfg, world.running
+    fresh = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=False, model_seed=world.draft_seed)
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    table = world.target.req_to_token_pool.req_to_token
+    for i, req in enumerate(batch.reqs):
+        if req.finished():  # released by this step; the scheduler filters it out at the next
+            continue
+        n = req.kv_committed_len
+        fresh.req_to_token_pool.req_to_token[i, :n] = alloc.alloc(n, torch.device("cpu")).to(torch.int32)
+        H.extend(fresh, [i], [0], [(req.origin_input_ids + req.output_ids)[1:n + 1]])
+        ours = world.draft.token_to_kv_pool.k_buffer[:, table[req.req_pool_idx, :n].long()]
+        want = fresh.token_to_kv_pool.k_buffer[:, fresh.req_to_token_pool.req_to_token[i, :n].long()]
+        torch.testing.assert_close(ours, want, atol=1e-9, rtol=0, msg=f"draft KV of {req.rid}")
+
+
+def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_request():
+    cfg = H.HarnessConfig(max_reqs=24, kv_slots=4000, batch_sizes=(1, 2, 4, 8, 16))
+    world = S.SchedulerWorld(cfg, torch.device("cpu"), log_interval=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, cfg.vocab, (PROMPT,), generator=g).tolist() for _ in range(FIRST_WAVE + SECOND_WAVE)]
+    ref, ref_logprobs = greedy_reference(cfg, prompts, 40)
+
+    # Per request: max_new_tokens, and what else it asks. Lengths are staggered so the batch shrinks
+    # one request at a time; the second wave arrives once speculation is back on.
+    max_new = [6, 34, 9, 12, 22, 15, 30, 38, 7, 11, 26, 16, 20, 33]
+    stop_at = {2: 6, 10: 9}        # request -> index of its reference token used as a stop token
+    eos_at = {4: 10}               # request -> index of its reference token used as its EOS
+    logprobs = {1, 11}             # requests that return logprobs
+    reasoning = {6}                # requests that count reasoning tokens up to think_end_id
+    abort = 7                      # aborted (SGLang's abort of a running request) during a plain phase
+    world.model_config.think_end_id = ref[6][8]
+    reqs = {}
+
+    def first_index(i: int, k: int) -> int:
+        return ref[i].index(ref[i][k])
+
+    def arrive(i: int) -> None:
+        kw = {}
+        if i in stop_at:
+            kw.update(stop_token_ids=[ref[i][stop_at[i]]], ignore_eos=False)
+        if i in eos_at:
+            kw.update(eos_token_ids={ref[i][eos_at[i]]}, ignore_eos=False)
+        reqs[i] = world.add_request(f"r{i}", prompts[i], max_new[i], return_logprob=i in logprobs,
+                                    top_logprobs_num=2 if i in logprobs else 0, require_reasoning=i in reasoning, **kw)
+
+    switch = install_speculation_switch(OFF_ABOVE, ON_AT_OR_BELOW)
+    decisions: List[Tuple[int, bool]] = []
+    speculate = switch.speculate
+    switch.speculate = lambda bs: decisions.append((bs, speculate(bs))) or decisions[-1][1]
+    runner = world.target.graph_runner
+    checked_draft_kv, verified_tokens, spec_since_flip = 0, 0, 0
+    try:
+        with S.cpu_stand_ins():
+            for i in range(FIRST_WAVE):
+                arrive(i)
+            for step in range(2000):
+                n_decisions, before = len(decisions), {r.rid: len(r.output_ids) for r in world.running.reqs}
+                batch = world.step()
+                if batch is None and not world.waiting:
+                    break
+                if len(decisions) > n_decisions and decisions[-1][1]:  # a verify step: the tokens it committed
+                    verified_tokens += sum(len(r.output_ids) - before[r.rid] for r in batch.reqs)
+                    spec_since_flip += 1
+                plain = bool(decisions) and not decisions[-1][1]
+                if plain:
+                    spec_since_flip = 0
+                if plain and batch is not None and batch.forward_mode == ForwardMode.DECODE and \
+                        reqs[abort].to_finish is None and not reqs[abort].finished() and len(decisions) > 6:
+                    reqs[abort].to_finish = FINISH_ABORT()  # what Scheduler.abort_request does to a running request
+                if switch.switches in (2, 4) and checked_draft_kv < switch.switches // 2 and not world.running.is_empty():
+                    fresh_draft_kv_matches(world)  # just back on: the draft kept up through the plain phase
+                    checked_draft_kv += 1
+                if switch.switches == 2 and spec_since_flip >= 2 and len(reqs) == FIRST_WAVE:
+                    for i in range(FIRST_WAVE, FIRST_WAVE + SECOND_WAVE):
+                        arrive(i)
+            else:
+                pytest.fail("requests still running after 2000 scheduler steps")
+    finally:
+        uninstall_speculation_switch()
+
+    # The switch went off and on twice; every plain step replayed a DECODE graph, every verify a
+    # TARGET_VERIFY graph, none ran eagerly.
+    assert switch.switches >= 4 and checked_draft_kv == 2, decisions
+    assert all(spec for bs, spec in decisions if bs <= ON_AT_OR_BELOW)
+    assert not any(spec for bs, spec in decisions if bs > OFF_ABOVE)
+    spec_bs = [bs for bs, spec in decisions if spec]
+    plain_steps = sum(1 for _, spec in decisions if not spec)
+    assert runner.replay_log.counts == {ForwardMode.DECODE: plain_steps, ForwardMode.TARGET_VERIFY: len(spec_bs)}
+    assert runner.refusals == {}
+
+    # Every request finished for its own reason with the oracle's tokens (and logprobs).
+    for i, req in reqs.items():
+        sent = world.sent[req.rid]
+        out = sent.output_ids
+        if i == abort:
+            assert isinstance(sent.finished_reason, FINISH_ABORT) and 0 < len(out) < max_new[i]
+        elif i in stop_at or i in eos_at:
+            k = first_index(i, (stop_at | eos_at)[i])
+            assert isinstance(sent.finished_reason, FINISH_MATCHED_TOKEN) and len(out) == k + 1, (i, out, ref[i])
+        else:
+            assert isinstance(sent.finished_reason, FINISH_LENGTH) and len(out) == max_new[i], (i, out)
+        assert out == ref[i][:len(out)], f"request {i}: {out} != {ref[i][:len(out)]}"
+        if i in logprobs:
+            torch.testing.assert_close(torch.tensor(sent.logprobs), torch.tensor(ref_logprobs[i][:len(out)]),
+                                       atol=1e-9, rtol=0)
+            assert len(req.output_top_logprobs_val) == len(out)
+        if i in reasoning:
+            assert req.reasoning_tokens == first_index(i, 8) + 1
+    assert set(world.sent) == {r.rid for r in reqs.values()}
+
+    # SGLang's speculation metrics count verify steps only: one forward per request per verify, and
+    # the tokens those verifies committed (every draft is accepted here: accept length up to 4).
+    s = world.scheduler
+    assert s.spec_total_num_forward_ct + s.spec_num_forward_ct == sum(spec_bs)
+    assert s.spec_total_num_accept_tokens + s.spec_num_accept_tokens == verified_tokens > 2 * sum(spec_bs)
+    assert sum(r.spec_verify_ct for r in reqs.values()) == sum(spec_bs)
+    # Nothing leaked: every KV slot and request row is free again.
+    assert world.target.token_to_kv_pool_allocator.available_size() == cfg.kv_slots - 1
+    assert world.target.req_to_token_pool.available_size() == cfg.max_reqs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graph_memory_pool():
+    H.forget_graph_memory_pool()

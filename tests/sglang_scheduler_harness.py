@@ -30,6 +30,7 @@ from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on
 
 from sglang.srt import server_args as sglang_server_args
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
 from sglang.srt.layers import sampler as sampler_module
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -227,6 +228,48 @@ def cpu_stand_ins():
             mock.patch.object(forward_batch_info, "enable_num_token_non_padded", lambda: False), \
             mock.patch.object(cuda_graph_runner, "enable_num_token_non_padded", lambda: False):
         yield
+
+
+class TokenSetGrammar(BaseGrammarObject):
+    """A grammar for tests: any of ``allowed`` tokens, ``length`` of them, then terminated. It keeps
+    xgrammar's contract as SGLang uses it: packed int32 bitmasks (bit set = allowed; rows of a fresh
+    mask allow everything), ``accept_token`` raising ``ValueError`` on a token it forbids, ``rollback``
+    for the speculative tree walk."""
+
+    def __init__(self, allowed: List[int], length: int):
+        super().__init__()
+        self.allowed, self.length = sorted(set(allowed)), length
+        self.accepted: List[int] = []
+
+    def accept_token(self, token: int) -> None:
+        if token not in self.allowed or self.is_terminated():
+            raise ValueError(f"TokenSetGrammar: token {token} not allowed after {self.accepted}")
+        self.accepted.append(token)
+
+    def rollback(self, k: int) -> None:
+        del self.accepted[len(self.accepted) - k:]
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
+        return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        bits = torch.zeros(vocab_mask.shape[1] * 32, dtype=torch.int64)
+        bits[self.allowed] = 1
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(1)
+        vocab_mask[idx] = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
+        return vocab_mask.to(device)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        vocab = logits.shape[-1]
+        allowed = ((vocab_mask.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1).reshape(vocab_mask.shape[0], -1)
+        logits.masked_fill_(allowed[:, :vocab].to(logits.device) == 0, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------- the EAGLE v1 worker

@@ -1,6 +1,7 @@
 """The speculation switch under SGLang's real scheduler bookkeeping (spec v1, EAGLE worker, CPU).
 
-Requests arrive in two waves and finish at different times (length, stop token, EOS, an abort), so the
+Requests arrive in two waves and finish at different times (length, stop token, EOS, a grammar that
+terminates, an abort); some return logprobs, one counts reasoning tokens. So the
 running batch grows past the threshold and shrinks below it twice: the switch turns speculation off
 and on twice. Every step goes through SGLang's own scheduler methods and EAGLE v1 worker (see
 :mod:`tests.sglang_scheduler_harness` for what is real and what stands in). The oracle is plain greedy
@@ -29,8 +30,10 @@ OFF_ABOVE, ON_AT_OR_BELOW = 4, 2
 FIRST_WAVE, SECOND_WAVE = 8, 6
 
 
-def greedy_reference(cfg: H.HarnessConfig, prompts: List[List[int]], n: int) -> Tuple[List[List[int]], List[List[float]]]:
-    """``n`` tokens of plain greedy decoding per prompt without speculation (eager), and their logprobs."""
+def greedy_reference(cfg: H.HarnessConfig, prompts: List[List[int]], n: int,
+                     allowed: Dict[int, List[int]]) -> Tuple[List[List[int]], List[List[float]]]:
+    """``n`` tokens of plain greedy decoding per prompt without speculation (eager), and their logprobs;
+    prompt ``i`` in ``allowed`` picks only among those tokens (constrained decoding)."""
     mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=False, model_seed=0)
     reqs = H.Requests([list(p) for p in prompts])
     alloc = H.SlotAllocator(cfg.kv_slots)
@@ -38,7 +41,11 @@ def greedy_reference(cfg: H.HarnessConfig, prompts: List[List[int]], n: int) -> 
     logprobs: List[List[float]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))
     for _ in range(n):
-        logits = mr.forward(H.decode_batch(mr, reqs, rows, alloc)).logits_output.next_token_logits
+        logits = mr.forward(H.decode_batch(mr, reqs, rows, alloc)).logits_output.next_token_logits.clone()
+        for i, tokens in allowed.items():
+            keep = torch.zeros(cfg.vocab, dtype=torch.bool)
+            keep[tokens] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
         tokens = logits.argmax(-1)
         chosen = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
         for r, t, lp in zip(rows, tokens.tolist(), chosen.tolist()):
@@ -72,11 +79,13 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
     world = S.SchedulerWorld(cfg, torch.device("cpu"), log_interval=3)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, cfg.vocab, (PROMPT,), generator=g).tolist() for _ in range(FIRST_WAVE + SECOND_WAVE)]
-    ref, ref_logprobs = greedy_reference(cfg, prompts, 40)
+    grammars = {3: 10, 9: 12}      # request -> tokens its grammar allows before it terminates
+    allowed = {i: torch.randperm(cfg.vocab, generator=g)[:40].tolist() for i in grammars}
+    ref, ref_logprobs = greedy_reference(cfg, prompts, 40, allowed)
 
     # Per request: max_new_tokens, and what else it asks. Lengths are staggered so the batch shrinks
     # one request at a time; the second wave arrives once speculation is back on.
-    max_new = [6, 34, 9, 12, 22, 15, 30, 38, 7, 11, 26, 16, 20, 33]
+    max_new = [6, 34, 9, 30, 22, 15, 30, 38, 7, 25, 26, 16, 20, 33]
     stop_at = {2: 6, 10: 9}        # request -> index of its reference token used as a stop token
     eos_at = {4: 10}               # request -> index of its reference token used as its EOS
     logprobs = {1, 11}             # requests that return logprobs
@@ -94,6 +103,8 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
             kw.update(stop_token_ids=[ref[i][stop_at[i]]], ignore_eos=False)
         if i in eos_at:
             kw.update(eos_token_ids={ref[i][eos_at[i]]}, ignore_eos=False)
+        if i in grammars:
+            kw.update(grammar=S.TokenSetGrammar(allowed[i], grammars[i]))
         reqs[i] = world.add_request(f"r{i}", prompts[i], max_new[i], return_logprob=i in logprobs,
                                     top_logprobs_num=2 if i in logprobs else 0, require_reasoning=i in reasoning, **kw)
 
@@ -148,6 +159,9 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
         out = sent.output_ids
         if i == abort:
             assert isinstance(sent.finished_reason, FINISH_ABORT) and 0 < len(out) < max_new[i]
+        elif i in grammars:
+            assert isinstance(sent.finished_reason, FINISH_MATCHED_TOKEN) and len(out) == grammars[i], (i, out)
+            assert req.grammar.accepted == out and set(out) <= set(allowed[i])
         elif i in stop_at or i in eos_at:
             k = first_index(i, (stop_at | eos_at)[i])
             assert isinstance(sent.finished_reason, FINISH_MATCHED_TOKEN) and len(out) == k + 1, (i, out, ref[i])

@@ -48,6 +48,10 @@ def test_launcher_splits_its_arguments_from_sglangs():
                                 "--graphpool-spec-on-at-or-below", "8", "--speculative-algorithm", "EAGLE"])
     assert options == GraphpoolOptions(16, 8) and rest == ["--model-path", "m", "--speculative-algorithm", "EAGLE"]
     assert split_args(["--model-path", "m"]) == (GraphpoolOptions(), ["--model-path", "m"])
+    assert split_args(["--graphpool-spec-off-above", "4", "--graphpool-keep-sglang-runner"])[0] == \
+        GraphpoolOptions(4, None, keep_sglang_runner=True)
+    with pytest.raises(SystemExit, match="only makes sense with the switch"):
+        split_args(["--graphpool-keep-sglang-runner"])
     with pytest.raises(SystemExit, match="on-at-or-below <= --graphpool-spec-off-above"):
         split_args(["--graphpool-spec-off-above", "4", "--graphpool-spec-on-at-or-below", "8"])
     args = type("Args", (), {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False})()
@@ -56,6 +60,8 @@ def test_launcher_splits_its_arguments_from_sglangs():
     args.speculative_algorithm = None
     with pytest.raises(SystemExit, match="--speculative-algorithm EAGLE"):
         check_server_args(GraphpoolOptions(16), args)
+    args.speculative_algorithm, args.disable_overlap_schedule = "STANDALONE", True
+    check_server_args(GraphpoolOptions(16), args)  # SGLang's EAGLE v1 worker subclass: switchable
 
 
 def test_sglang_accepts_a_scheduler_entry_point():
@@ -89,3 +95,24 @@ def test_scheduler_entry_installs_graphpool_inside_a_spawned_process():
     assert proc.exitcode == 0
     assert runner_name == "build_graph_runner"
     assert off_above == 16, "the EAGLE v1 speculation switch is installed in the scheduler process"
+
+
+def test_keep_sglang_runner_installs_the_switch_only():
+    """The test-only launcher option: the switch over SGLang's own runner (the crash reproduction)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+    from sglang.srt.speculative.standalone_worker import StandaloneWorker
+
+    from graphpool.integrations.sglang import uninstall_speculation_switch
+
+    original_forward, original_process = EAGLEWorker.forward_batch_generation, Scheduler.process_batch_result_decode
+    try:
+        GraphpoolOptions(4, 2, keep_sglang_runner=True).apply()
+        assert not gp_sglang.installed() and model_runner.CudaGraphRunner is cuda_graph_runner.CudaGraphRunner
+        assert EAGLEWorker.forward_batch_generation.graphpool_switch.policy.off_above == 4
+        # STANDALONE speculation runs SGLang's EAGLE v1 worker code, so the switch reaches it too.
+        assert StandaloneWorker.forward_batch_generation is EAGLEWorker.forward_batch_generation
+    finally:
+        uninstall_speculation_switch()
+    assert EAGLEWorker.forward_batch_generation is original_forward
+    assert Scheduler.process_batch_result_decode is original_process

@@ -6,6 +6,10 @@ Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
     EAGLE v1 only: decode plainly (no speculation) once a decode batch has more than N sequences.
 ``--graphpool-spec-on-at-or-below M``
     speculate again once the batch is at or below M (default N; M < N gives hysteresis).
+``--graphpool-keep-sglang-runner``
+    for tests and benchmarks only: install the switch but keep SGLang's own ``CudaGraphRunner``, which
+    has TARGET_VERIFY graphs only, so the first plain step fails ("The size of tensor a (...) must
+    match the size of tensor b (...)"): the crash graphpool's runner exists to fix.
 
 SGLang starts its scheduler processes with ``spawn``, so a patch made in this process would not reach
 them. This launcher hands SGLang a picklable scheduler entry point (:class:`SchedulerEntry`) that
@@ -32,12 +36,14 @@ class GraphpoolOptions:
 
     spec_off_above: Optional[int] = None
     spec_on_at_or_below: Optional[int] = None
+    keep_sglang_runner: bool = False
 
     def apply(self) -> None:
         """Install the runner patch (and the speculation switch, if asked for) in this process."""
-        from .patch import install
+        if not self.keep_sglang_runner:
+            from .patch import install
 
-        install()
+            install()
         if self.spec_off_above is not None:
             from .spec_switch import install_speculation_switch
 
@@ -63,15 +69,19 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--graphpool-spec-off-above", type=int, default=None)
     parser.add_argument("--graphpool-spec-on-at-or-below", type=int, default=None)
+    parser.add_argument("--graphpool-keep-sglang-runner", action="store_true")
     ours, rest = parser.parse_known_args(list(argv))
     off, on = ours.graphpool_spec_off_above, ours.graphpool_spec_on_at_or_below
+    if ours.graphpool_keep_sglang_runner and off is None:
+        raise SystemExit("--graphpool-keep-sglang-runner only makes sense with the switch: add "
+                         "--graphpool-spec-off-above N (it reproduces SGLang's crash on plain steps)")
     if on is not None and off is None:
         raise SystemExit("--graphpool-spec-on-at-or-below needs --graphpool-spec-off-above (the threshold to "
                          "switch speculation off at)")
     if off is not None and (off < 0 or (on is not None and not 0 <= on <= off)):
         raise SystemExit(f"need 0 <= --graphpool-spec-on-at-or-below <= --graphpool-spec-off-above, got "
                          f"on={on}, off={off}")
-    return GraphpoolOptions(off, on), rest
+    return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner), rest
 
 
 def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
@@ -79,9 +89,13 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     if options.spec_off_above is None:
         return
     algorithm = (server_args.speculative_algorithm or "").upper()
-    if algorithm not in ("EAGLE", "EAGLE3"):
+    if algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):  # SGLang's EAGLE v1 worker and its STANDALONE subclass
         raise SystemExit(f"--graphpool-spec-off-above switches EAGLE speculation, but --speculative-algorithm is "
-                         f"{server_args.speculative_algorithm!r}; pass --speculative-algorithm EAGLE or EAGLE3")
+                         f"{server_args.speculative_algorithm!r}; pass --speculative-algorithm EAGLE, EAGLE3 or "
+                         f"STANDALONE")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise SystemExit("--graphpool-spec-off-above does not support DP attention (the plain step runs on one "
+                         "attention group); drop --enable-dp-attention")
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
                          "without the overlap scheduler; add --disable-overlap-schedule")

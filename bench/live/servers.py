@@ -1,0 +1,73 @@
+"""Start and stop one live SGLang server at a time (its own process group, its log in a file)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class ServerSpec:
+    """One configuration: a name, the Python module that serves, its arguments, extra environment."""
+
+    name: str
+    title: str
+    module: str
+    args: List[str]
+    env: Dict[str, str] = field(default_factory=dict)
+    speculative: bool = False
+    switch: bool = False
+    expect_crash: bool = False
+
+
+class Server:
+    """A running server: ``python -m module args`` in a new session, stdout and stderr to ``log_path``."""
+
+    def __init__(self, spec: ServerSpec, python: str, log_path: str, env: Dict[str, str], cwd: Optional[str] = None):
+        self.spec, self.log_path = spec, log_path
+        self.started = time.perf_counter()
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([python, "-m", spec.module, *spec.args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**env, **spec.env}, cwd=cwd or None,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 5.0) -> Optional[int]:
+        """SIGTERM the whole process group (SGLang's scheduler and detokenizer processes too), then
+        SIGKILL what is left after ``grace_s``; returns the server's exit code."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.perf_counter() + wait_s
+            while time.perf_counter() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        self._log.close()
+        return self.proc.poll()
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

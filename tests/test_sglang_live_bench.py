@@ -1,0 +1,105 @@
+"""bench/sglang_live.py on a CPU machine: its log parser on SGLang's and graphpool's own log lines, the
+client's answer checks, and a dry run of the whole benchmark against stand-in servers
+(tests/live_fake_server.py) that answer and log like SGLang."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests import sglang_harness  # noqa: F401,I001  (puts the test stand-ins on sys.path first)
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from bench.live import logs
+from bench.live.client import Answer, Request, check
+from graphpool.integrations.sglang import SpeculationSwitch
+from graphpool.integrations.sglang.replay_log import ReplayLog
+from graphpool.integrations.sglang.spec_switch import _log_flip
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Lines as SGLang 0.5.12.post1 prints them (from the live runs of SGLANG_LIVE.md and the CPU scheduler test).
+SGLANG_LINES = """\
+[2026-11-30 01:02:03] Capture cuda graph bs [1, 2, 4, 8, 12, 16]
+[2026-11-30 01:02:32] Capture cuda graph end. Time elapsed: 28.85 s. mem usage=0.05 GB. avail mem=70.31 GB.
+[2026-11-30 01:02:44] Capture draft cuda graph end. Time elapsed: 11.54 s. mem usage=0.01 GB. avail mem=70.30 GB.
+[2026-11-30 01:03:00] Decode batch, #running-req: 4, #token: 164, token usage: 0.00, accept len: 1.00, accept rate: 0.00, cuda graph: True, gen throughput (token/s): 512.20, #queue-req: 0
+[2026-11-30 01:03:01] Decode batch, #running-req: 8, #token: 108, token usage: 0.03, cuda graph: True, gen throughput (token/s): 19.67, #queue-req: 0
+[2026-11-30 01:03:02] Decode batch, #running-req: 40, #token: 900, token usage: 0.10, cuda graph: False, gen throughput (token/s): 9.00, #queue-req: 3
+[2026-11-30 01:03:03] The server is fired up and ready to roll!
+graph-probe: target MultiModeCudaGraphRunner captured in 2.31 s: torch reserved +44.0 MiB, device +46.0 MiB
+[2026-11-30 01:03:04] RuntimeError: The size of tensor a (160) must match the size of tensor b (2) at non-singleton dimension 0
+Traceback (most recent call last):
+"""
+
+
+def test_log_parser_reads_sglang_lines_and_graphpools_own(caplog):
+    refusals = {"decode bs 40 > 32": 2}
+    replays = ReplayLog(refusals, every=1)
+    with caplog.at_level(logging.INFO):
+        for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DECODE):
+            replays.count(mode)
+        switch = SpeculationSwitch(8, 4)
+        worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(
+            graph_runner=SimpleNamespace(replay_log=replays))))
+        _log_flip(worker, False, 9, switch)
+        logging.getLogger("graphpool.integrations.sglang.runner").info(
+            "graphpool captured %d graphs for %s at batch sizes %s", 24, ["DECODE", "TARGET_VERIFY"], [1, 2, 4])
+    text = SGLANG_LINES + "\n".join(r.getMessage() for r in caplog.records)
+    facts = logs.parse(text)
+    assert facts.fired_up and facts.target_capture == {"seconds": 28.85, "gb": 0.05}
+    assert facts.capture["draft cuda graph"] == [{"seconds": 11.54, "gb": 0.01}]
+    assert facts.target_probe == {"role": "target", "runner": "MultiModeCudaGraphRunner", "seconds": 2.31,
+                                  "reserved_mib": 44.0, "device_mib": 46.0}
+    assert facts.decode_lines == 3 and facts.decode_eager == [40] and facts.decode_accept_by_bs == {4: [1.0]}
+    assert facts.crash == "The size of tensor a (160) must match the size of tensor b (2)" and facts.tracebacks == 1
+    assert facts.gp_graphs == 24 and facts.gp_modes == ["DECODE", "TARGET_VERIFY"] and facts.gp_batch_sizes == [1, 2, 4]
+    assert facts.replays == {"DECODE": 2, "TARGET_VERIFY": 1}
+    assert facts.gp_fallbacks == "decode bs 40 > 32: 2"
+    assert facts.flips == [{"speculation": "OFF", "running": 9}]
+
+
+def test_answers_are_checked_against_what_was_asked():
+    length = Request("a", (5, 6), 4)
+    assert check(length, Answer("a", 200, 0.1, [1, 2, 3, 4], {"type": "length", "length": 4}, 4)) == ""
+    assert "3 of 4" in check(length, Answer("a", 200, 0.1, [1, 2, 3], {"type": "length", "length": 4}, 3))
+    assert "HTTP 0" in check(length, Answer("a", 0, 0.1, error="ConnectionResetError"))
+    assert "finish reason" in check(length, Answer("a", 200, 0.1, [1, 2], {"type": "stop", "matched": 2}, 2))
+    stop = Request("b", (5, 6), 8, ignore_eos=False, stop_token_ids=(9,))
+    assert check(stop, Answer("b", 200, 0.1, [1, 9], {"type": "stop", "matched": 9}, 2)) == ""
+    assert check(stop, Answer("b", 200, 0.1, [1, 2], {"type": "stop", "matched": 2}, 2)) == ""  # EOS
+    assert "completion_tokens" in check(stop, Answer("b", 200, 0.1, [1, 9], {"type": "stop", "matched": 9}, 5))
+
+
+def test_dry_run_against_stand_in_servers(tmp_path):
+    """The whole benchmark, short workloads, five stand-in servers: the crash configuration dies on its
+    first request, the others serve; the table and the JSON come out."""
+    out = tmp_path / "live"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "sglang_live.py"), "--server-module", "tests.live_fake_server",
+           "--quick", "--dtype", "bfloat16", "--deadline-s", "240", "--out", str(out), "--port", "32500"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    assert summary in p.stdout
+    rows = {line.split()[0]: line.split()[1] for line in summary.splitlines()[3:8]}
+    assert rows == {"stock": "served", "gp-switch": "served", "sgl-switch": "crashed", "stock-spec": "served",
+                    "gp-nospec": "served"}
+    assert "[PASS] 2 switch over SGLang's runner: The size of tensor a (64)" in summary
+    assert "[PASS] 3 greedy" in summary and "graph memory gp" in summary
+    data = json.loads((out / "sglang_live.json").read_text())
+    assert data["configs"]["gp-switch"]["log"]["replays"]["DECODE"] > 0
+    assert len(os.listdir(out)) <= 8, "the GPU machine returns at most 8 files"
+
+
+@pytest.fixture(autouse=True)
+def _no_switch_left_installed():
+    yield
+    from graphpool.integrations.sglang import uninstall_speculation_switch
+
+    uninstall_speculation_switch()

@@ -77,7 +77,8 @@ def server_specs(a: argparse.Namespace, dtype: str, spec: str, port: int) -> Dic
     switch = ["--graphpool-spec-off-above", str(a.off_above), "--graphpool-spec-on-at-or-below", str(a.on_at)]
     gp, sgl = "graphpool.integrations.sglang.launch", "sglang.launch_server"
     specs = [ServerSpec("stock", "SGLang, no speculation", sgl, base),
-             ServerSpec("gp-switch", "graphpool runner + switch", gp, base + sp + switch, speculative=True, switch=True),
+             ServerSpec("gp-switch", "graphpool runner + switch", gp, base + sp + switch, speculative=True,
+                        switch=True),
              ServerSpec("sgl-switch", "switch over SGLang's runner", gp,
                         base + sp + switch + ["--graphpool-keep-sglang-runner"], speculative=True, switch=True,
                         expect_crash=True),
@@ -215,7 +216,8 @@ class Bench:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "out/sglang_live"))
     p.add_argument("--models", default=".sgl/models", help="folder with tiny-llama/ and tiny-eagle3/ (config.json)")
     p.add_argument("--configs", default=",".join(ORDER), type=lambda s: [c for c in s.split(",") if c])

@@ -156,8 +156,9 @@ def build_chain_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, 
         raise NotImplementedError("the CPU stand-in builds chains only (topk = 1)")
     tokens = torch.cat((bonus_tokens.unsqueeze(1), draft_tokens), dim=1).flatten()
     bs, t, dev = seq_lens.numel(), num_verify_tokens, seq_lens.device
-    masks = [torch.cat([torch.ones((t, int(n)), dtype=torch.bool, device=dev),
-                        torch.ones((t, t), dtype=torch.bool, device=dev).tril()], 1).reshape(-1) for n in seq_lens.tolist()]
+    causal = torch.ones((t, t), dtype=torch.bool, device=dev).tril()
+    masks = [torch.cat([torch.ones((t, int(n)), dtype=torch.bool, device=dev), causal], 1).reshape(-1)
+             for n in seq_lens.tolist()]
     cols = torch.arange(t, device=dev)
     positions = (seq_lens.long()[:, None] + cols[None, :]).reshape(-1)
     retrieve_index = torch.arange(bs * t, device=dev).view(bs, t)
@@ -284,7 +285,8 @@ def make_eagle_worker(target: SchedModelRunner, draft: SchedModelRunner, args: A
     worker.target_worker = TargetWorker(target)
     worker.speculative_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
     worker.adaptive_controller = None
-    worker.req_to_token_pool, worker.token_to_kv_pool_allocator = target.req_to_token_pool, target.token_to_kv_pool_allocator
+    worker.req_to_token_pool = target.req_to_token_pool
+    worker.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
     worker.hot_token_id = None
     worker._model_runner = draft  # the worker runs the draft model (draft_model_runner is a property)
     worker.draft_tp_context = lambda group: contextlib.nullcontext()
@@ -324,7 +326,8 @@ class SchedulerWorld:
         self.args = server_args(
             speculative_algorithm="EAGLE", speculative_num_steps=cfg.draft_tokens - 1, speculative_eagle_topk=1,
             speculative_num_draft_tokens=cfg.draft_tokens, page_size=1, disable_overlap_schedule=True,
-            attention_backend="torch_native", decode_log_interval=log_interval, device=str(device), enable_metrics=False,
+            attention_backend="torch_native", decode_log_interval=log_interval, device=str(device),
+            enable_metrics=False,
             skip_tokenizer_init=True, cuda_graph_bs=list(cfg.batch_sizes))
         rtp = ReqToTokenPool(size=cfg.max_reqs, max_context_len=cfg.max_ctx, device=str(device),
                              enable_memory_saver=False)

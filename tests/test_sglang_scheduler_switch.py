@@ -138,7 +138,8 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
                 if plain and batch is not None and batch.forward_mode == ForwardMode.DECODE and \
                         reqs[abort].to_finish is None and not reqs[abort].finished() and len(decisions) > 6:
                     reqs[abort].to_finish = FINISH_ABORT()  # what Scheduler.abort_request does to a running request
-                if switch.switches in (2, 4) and checked_draft_kv < switch.switches // 2 and not world.running.is_empty():
+                just_back_on = switch.switches in (2, 4) and checked_draft_kv < switch.switches // 2
+                if just_back_on and not world.running.is_empty():
                     fresh_draft_kv_matches(world)  # just back on: the draft kept up through the plain phase
                     checked_draft_kv += 1
                 if switch.switches == 2 and spec_since_flip >= 2 and len(reqs) == FIRST_WAVE:

@@ -63,7 +63,8 @@ def greedy_match(reference: ConfigResult, other: ConfigResult) -> Optional[Dict[
         total += max(len(a), len(b))
         if a != b and len(first_diff) < 5:
             first_diff.append(f"{rid}@{n}")
-    return {"requests": len(common), "identical": same, "token_match": prefix / max(1, total), "first_diffs": first_diff}
+    return {"requests": len(common), "identical": same, "token_match": prefix / max(1, total),
+            "first_diffs": first_diff}
 
 
 def _fmt(value: Optional[float], spec: str, missing: str = "-") -> str:

@@ -12,7 +12,8 @@ global graph memory pool, and routes each step by its own forward mode:
 
 The attention backend's graph state is initialised once, sized for the largest mode, and receives the
 batch's own forward mode at capture and at replay. The hidden-state capture mode is kept per forward
-mode and fixed at construction: nothing is recaptured on the step path. The split use of EAGLE v2 (``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
+mode and fixed at construction: nothing is recaptured on the step path. The split use of EAGLE v2
+(``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
 skip_attn_backend_init=True)``) keeps working.
 
 .. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).

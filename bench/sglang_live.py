@@ -2,8 +2,8 @@
 
 Configurations (``--configs``, run in this order by default):
 
+  stock-spec  ``sglang.launch_server`` with speculation always on (first: it settles dtype and flavour)
   stock       ``sglang.launch_server``, no speculation
-  stock-spec  ``sglang.launch_server`` with speculation always on
   gp-switch   graphpool's launcher: its runner + the switch (off above ``--off-above``, on at <= ``--on-at``)
   sgl-switch  the switch over SGLang's own runner (``--graphpool-keep-sglang-runner``): must crash
   gp-nospec   graphpool's launcher without speculation (its runner, DECODE graphs only)
@@ -35,7 +35,7 @@ from bench.live.report import ConfigResult, table  # noqa: E402
 from bench.live.servers import Server, ServerSpec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ORDER = ("stock", "stock-spec", "gp-switch", "sgl-switch", "gp-nospec")
+ORDER = ("stock-spec", "stock", "gp-switch", "sgl-switch", "gp-nospec")
 START_S = {"first": 110, "other": 70}  # budget to reach /health (the first start builds JIT kernels)
 FP32_PROBE = """
 import sys, torch
@@ -183,19 +183,22 @@ class Bench:
         a = self.a
         dtype, spec = self.choose_dtype(), a.spec
         specs = server_specs(a, dtype, spec, a.port)
+        settled = False
         for name in a.configs:
             res = self.run_config(specs[name])
-            if name == "stock" and dtype == "float32" and res.status in ("did not start", "start timeout"):
-                self.say("stock: float32 server failed; everything in bfloat16 instead")
-                dtype, specs = "bfloat16", server_specs(a, "bfloat16", spec, a.port + 10)
+            # The first server settles dtype and speculation flavour: float32 and STANDALONE are the
+            # choices never run live before; bfloat16 with EAGLE3 is (SGLANG_LIVE b/c). Nothing measured
+            # before then depends on the choice.
+            fallbacks = [("bfloat16", spec)] if dtype == "float32" else []
+            if specs[name].speculative and spec == "standalone":
+                fallbacks.append(("bfloat16", "eagle3"))
+            while not settled and res.status in ("did not start", "start timeout") and fallbacks:
+                dtype, spec = fallbacks.pop(0)
+                self.say(f"{name}: did not start; trying dtype {dtype}, speculation {spec} for every server")
+                specs = server_specs(a, dtype, spec, a.port + 10 * (2 - len(fallbacks)))
                 res = self.run_config(specs[name])
-            if specs[name].speculative and spec == "standalone" and res.status in ("did not start", "start timeout") \
-                    and not any(self.results[n].status == "served" for n in self.results if specs[n].speculative):
-                # stock-spec runs first of the speculative servers: a failure there is SGLang's STANDALONE,
-                # not graphpool's; EAGLE3 with the tiny draft ran live before.
-                self.say(f"{name}: STANDALONE speculation failed to start; EAGLE3 for every speculative server")
-                spec, specs = "eagle3", server_specs(a, dtype, "eagle3", a.port + 20)
-                res = self.run_config(specs[name])
+            settled = settled or res.status not in ("did not start", "start timeout", "not run") \
+                and not res.status.startswith("skipped")
             self.results[name] = res
         return self.report(dtype, spec)
 

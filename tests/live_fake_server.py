@@ -80,6 +80,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main() -> None:
+    # Dry runs of the benchmark's fallbacks: FAKE_SERVER_FAIL=float32,standalone fails those starts.
+    fail = os.environ.get("FAKE_SERVER_FAIL", "")
+    if ("float32" in fail and _arg("--dtype") == "float32") or ("standalone" in fail and _arg("--speculative-algorithm") == "STANDALONE"):
+        say("RuntimeError: stand-in start failure for " + fail)
+        sys.exit(1)
     say("Capture cuda graph bs [1, 2, 4, 8, 12, 16, 24, 32]")
     if GRAPHPOOL and not CRASH:
         modes = "['DECODE', 'TARGET_VERIFY']" if SPEC else "['DECODE']"

@@ -103,3 +103,20 @@ def _no_switch_left_installed():
     from graphpool.integrations.sglang import uninstall_speculation_switch
 
     uninstall_speculation_switch()
+
+
+def test_dry_run_settles_dtype_and_speculation_on_the_first_server(tmp_path):
+    """float32 and STANDALONE never ran live before: when the first (speculative) server does not start
+    with them, the benchmark falls back to bfloat16, then to EAGLE3, for every server."""
+    out = tmp_path / "live"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "sglang_live.py"), "--server-module", "tests.live_fake_server",
+           "--quick", "--dtype", "float32", "--configs", "stock-spec,stock", "--deadline-s", "200", "--out", str(out),
+           "--port", "32600"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, FAKE_SERVER_FAIL="float32,standalone"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "trying dtype bfloat16, speculation standalone" in p.stdout
+    assert "trying dtype bfloat16, speculation eagle3" in p.stdout
+    summary = (out / "summary.txt").read_text()
+    assert "dtype bfloat16, speculation eagle3" in summary
+    assert [line.split()[:2] for line in summary.splitlines()[3:5]] == [["stock-spec", "served"], ["stock", "served"]]

@@ -5,8 +5,10 @@
 # Writes $OUT/setup.log plus what sglang_live.py writes (server logs, sglang_live.json, summary.txt).
 set -u
 T0=$(date +%s); DEADLINE_S=${DEADLINE_S:-540}
-OUT=${OUT:-out/sglang_live}; mkdir -p "$OUT"; S=$PWD/.sgl; SITE=${SITE:-/tmp/site}; GP=${GP:-/tmp/gp}
+OUT=${OUT:-out/sglang_live}; mkdir -p "$OUT"; S=$PWD/.sgl
+RUN=${SGL_RUN_DIR:-$S/run}; SITE=$RUN/site; GP=$RUN/gp  # installed packages and graphpool's layout, beside the carry
 [ -d "$S/whl" ] || { echo "no .sgl/whl here: build .sgl/ first (integrations/sglang/README.md, 'Run it live')"; exit 2; }
+mkdir -p "$RUN"
 {
 if [ ! -f "$SITE/.done" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$S"/whl/*.whl || exit 1
@@ -17,7 +19,7 @@ fi
 rm -rf "$GP" && mkdir -p "$GP/graphpool" && cp -r graphpool/. "$GP/graphpool/" \
   && cp -r kernels "$GP/graphpool/kernels" && cp -r integrations "$GP/graphpool/integrations"
 if ! ldconfig -p | grep -q 'libnuma.so.1 '; then
-  dpkg -x "$S"/lib/libnuma1_*.deb /tmp/numa; export LD_LIBRARY_PATH=/tmp/numa/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  dpkg -x "$S"/lib/libnuma1_*.deb "$RUN/numa"; export LD_LIBRARY_PATH=$RUN/numa/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 fi
 # The slim sglang-kernel: its rmsnorm/sampling wrappers prefer flashinfer's JIT ops, whose CUDA sources the
 # slim flashinfer lacks; make them take sglang-kernel's own precompiled ops (idempotent).
@@ -25,7 +27,7 @@ sed -i 's/^    import flashinfer\.\(norm\|sampling\) as _flashinfer_\(norm\|samp
   "$SITE/sgl_kernel/elementwise.py" "$SITE/sgl_kernel/sampling.py"
 } > "$OUT/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$OUT/setup.log"; exit 1; }
 export PYTHONPATH=$SITE:$GP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRAPHPOOL_NO_EXTENSION=1
-export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvmffi-cache}
+export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-$RUN/tvmffi-cache}
 python3 - >> "$OUT/setup.log" 2>&1 <<'PY'
 import importlib.metadata as md, torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, "gpu", torch.cuda.get_device_name(0))

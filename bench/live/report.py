@@ -129,6 +129,11 @@ def verdicts(results: Dict[str, ConfigResult]) -> List[str]:
             best = max((x for x in (a, b) if x), key=lambda x: x["tok_s"])
             out.append(f"[{'PASS' if d['tok_s'] >= 0.95 * best['tok_s'] else 'FAIL'}] 4 C={c} gp-switch "
                        f"{d['tok_s']:.0f} tok/s vs best stock {best['tok_s']:.0f} ({d['tok_s'] / best['tok_s']:.3f}x)")
+    if sw and nospec and (d := sw.speed(32)) and (n := nospec.speed(32)):
+        # Both decode plainly at C=32: the difference is what a plain step of the switch adds (the draft
+        # model's one-token extend that keeps its KV in step, and the bookkeeping).
+        out.append(f"[INFO] plain-step cost at C=32: gp-switch {d['itl_ms']:.2f} ms/token vs gp-nospec "
+                   f"{n['itl_ms']:.2f} ({d['itl_ms'] / n['itl_ms']:.2f}x)")
     ps, pg = (spec.log.target_probe if spec and spec.log else None), (sw.log.target_probe if sw and sw.log else None)
     if ps and pg and ps["reserved_mib"] > 0:
         ratio = pg["reserved_mib"] / ps["reserved_mib"]

@@ -63,7 +63,6 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
     a real published ``ServerArgs``, and SGLang's own ``_forward_raw``."""
 
     _forward_raw = ModelRunner._forward_raw
-    _prepare_eager_forward_batch = ModelRunner._prepare_eager_forward_batch
 
     def __init__(self, cfg: H.HarnessConfig, device: torch.device, speculative: bool, model_seed: int = 0,
                  topk: int = 1, server_args: Optional[ServerArgs] = None):
@@ -76,6 +75,9 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
         self.lora_manager = None
         self.pp_group = SimpleNamespace(is_last_rank=True)
         self.model.shared_experts_config = None  # read by _forward_raw's model-context override
+
+    def _prepare_eager_forward_batch(self, forward_batch: ForwardBatch) -> None:
+        """SGLang pads eager batches for DP / attention-TP gathers here: none in a single-process server."""
 
     def _maybe_execute_deferred_mamba_cow_and_clear(self, forward_batch: ForwardBatch) -> None:
         """No mamba state in the harness model."""

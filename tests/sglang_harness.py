@@ -58,6 +58,18 @@ class HarnessConfig:
         return self.model.hidden_size
 
 
+def require_api(api: str) -> None:
+    """Skip the calling test module, with a one-line reason, unless SGLang's graph-runner API is ``api``
+    (``"classic"`` or ``"runner"``, :mod:`graphpool.integrations.sglang.versions`)."""
+    import pytest
+
+    from graphpool.integrations.sglang import versions
+
+    if versions.runner_api() != api:
+        pytest.skip(f"needs SGLang's {api} graph-runner API ({versions.SUPPORTED[api]}); installed: SGLang "
+                    f"{versions.sglang_version()}", allow_module_level=True)
+
+
 # ----------------------------------------------------------------------------------- KV state
 class ReqToTokenPool:
     """Request row -> KV slot of each position (SGLang's ``req_to_token_pool`` surface: int32, every row

@@ -12,16 +12,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Optional
 
-import pytest
 import torch
 
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
 
-from graphpool.integrations.sglang import versions
-
-if versions.runner_api() != versions.RUNNER:
-    pytest.skip(f"needs SGLang's runner API ({versions.SUPPORTED[versions.RUNNER]}); installed: SGLang "
-                f"{versions.sglang_version()}", allow_module_level=True)
+H.require_api("runner")
 
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402

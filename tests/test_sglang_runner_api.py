@@ -190,3 +190,31 @@ def test_classic_runner_says_which_api_is_installed():
 def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()
 
+
+
+def test_launcher_installs_the_runner_api_patch_and_spec_v2_switch():
+    """What the launcher's scheduler entry point runs in each scheduler process, under the runner API;
+    and the surfaces of SGLang 0.5.23 it relies on (read from the installed source: importing the HTTP
+    server needs uvloop, which CI does not install)."""
+    import ast
+    import importlib.util
+
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    from graphpool.integrations.sglang import spec_switch_v2
+    from graphpool.integrations.sglang.launch import GraphpoolOptions, check_server_args
+
+    original = EAGLEWorkerV2.forward_batch_generation
+    try:
+        GraphpoolOptions(16, 8).apply()
+        assert isinstance(sglang_decode.DecodeCudaGraphRunner, DecodeRunnerFactory)
+        assert EAGLEWorkerV2.forward_batch_generation.graphpool_switch.policy.off_above == 16
+    finally:
+        spec_switch_v2.uninstall_speculation_switch()
+        gp_sglang.uninstall()
+    assert EAGLEWorkerV2.forward_batch_generation is original
+    args = type("Args", (), {"speculative_algorithm": "EAGLE3", "disable_overlap_schedule": False})()
+    check_server_args(GraphpoolOptions(16), args)  # spec v2 runs with the overlap scheduler
+    source = open(importlib.util.find_spec("sglang.srt.entrypoints.http_server").origin).read()
+    launch = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "launch_server")
+    assert "run_scheduler_process_func" in [a.arg for a in launch.args.args]

@@ -242,3 +242,39 @@ def test_draft_lag_records_first_position_and_hidden_states():
 @pytest.fixture(autouse=True)
 def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()
+
+
+def test_installed_switch_routes_steps_on_the_real_eagle_worker_v2(monkeypatch):
+    """The wrapper on SGLang's real ``EAGLEWorkerV2.forward_batch_generation``: above the threshold and at
+    SGLang's adaptive step 0 a decode step is a plain step; below it the lagging draft catches up first,
+    then SGLang's own path runs; prefill is SGLang's. ``uninstall`` restores SGLang's method."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    from graphpool.integrations.sglang import spec_switch_v2 as v2
+
+    calls = []
+    monkeypatch.setattr(EAGLEWorkerV2, "forward_batch_generation", lambda self, batch, **kw: calls.append("sglang"))
+    monkeypatch.setattr(v2, "eagle_v2_plain_decode", lambda worker, batch, lag, on_publish: calls.append("plain"))
+    monkeypatch.setattr(v2, "eagle_v2_catch_up", lambda worker, batch, lag: calls.append("catch-up"))
+    original = EAGLEWorkerV2.forward_batch_generation
+    switch = v2.install_speculation_switch(16, 8)
+    try:
+        worker = object.__new__(EAGLEWorkerV2)
+        worker.speculative_num_steps = 3
+        worker.activate_step_by_batch = lambda bs: None
+
+        def step(bs, mode=ForwardMode.DECODE):
+            batch = SimpleNamespace(forward_mode=mode, is_extend_in_batch=False, seq_lens=torch.zeros(bs),
+                                    spec_info=object())
+            EAGLEWorkerV2.forward_batch_generation(worker, batch)
+            return calls.pop()
+
+        assert [step(4), step(32), step(12), step(8)] == ["sglang", "plain", "plain", "sglang"]
+        assert step(64, ForwardMode.EXTEND) == "sglang" and calls == ["catch-up", "catch-up"]
+        worker.speculative_num_steps = 0  # SGLang's adaptive speculation stepped down to 0 drafts
+        assert step(2) == "plain" and switch.switches == 2
+    finally:
+        v2.uninstall_speculation_switch()
+    assert EAGLEWorkerV2.forward_batch_generation is original

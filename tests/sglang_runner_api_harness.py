@@ -33,11 +33,27 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
                 speculative_num_steps=cfg.draft_tokens - 1 if topk == 1 else 3,
                 speculative_num_draft_tokens=cfg.draft_tokens, speculative_adaptive=adaptive) if speculative else {}
     args = ServerArgs(model_path="dummy", device="cpu", **spec)
-    runtime_context.get_context().set_server_args(args)
     config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
                              prefill=PhaseConfig(backend="disabled"))
-    runtime_context.get_context().override("graphpool-test", cuda_graph_config=config)
+    context = runtime_context.get_context()
+    if hasattr(context, "set_server_args"):  # 0.5.2x: settings live in the runtime context's config bags
+        context.set_server_args(args)
+        context.override("graphpool-test", cuda_graph_config=config)
+    else:  # 0.5.14: settings live on the (global) ServerArgs
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        args.cuda_graph_config = config
+        set_global_server_args_for_scheduler(args)
+        if "override" not in _SINGLE_PROCESS:  # its parallel context asks torch.distributed's groups
+            override = runtime_context.get_parallel().override(
+                world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
+                attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
+            override.__enter__()
+            _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
     return args
+
+
+_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14's parallel context, held at one process for the test session
 
 
 class EagerSteps:

@@ -45,14 +45,13 @@ def _bag(name: str) -> Any:
 
 
 def _setting(model_runner: Any, bag: str, path: Tuple[str, ...], default: Any = None) -> Any:
-    node = _bag(bag)
-    for source in (node, model_runner.server_args):
-        value = source
-        for part in path:
-            value = getattr(value, part, None) if value is not None else None
-        if value is not None:
-            return value
-    return default
+    """``get_<bag>().<path>`` where published (0.5.2x), else ``server_args.<last part of path>`` (0.5.14)."""
+    value = _bag(bag)
+    for part in path:
+        value = getattr(value, part, None) if value is not None else None
+    if value is None:
+        value = getattr(model_runner.server_args, path[-1], None)
+    return default if value is None else value
 
 
 def decode_graph_backend(model_runner: Any) -> str:

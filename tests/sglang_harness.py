@@ -66,7 +66,7 @@ def require_api(api: str) -> None:
     from graphpool.integrations.sglang import versions
 
     if versions.runner_api() != api:
-        pytest.skip(f"needs SGLang's {api} graph-runner API ({versions.SUPPORTED[api]}); installed: SGLang "
+        pytest.skip(f"needs the {api} API of SGLang's graph runner ({versions.SUPPORTED[api]}); installed: SGLang "
                     f"{versions.sglang_version()}", allow_module_level=True)
 
 

@@ -11,6 +11,7 @@ with SGLang's graph hooks, an int32 ``req_to_token`` table). Importing this modu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,18 @@ class HarnessConfig:
     @property
     def hidden(self) -> int:
         return self.model.hidden_size
+
+
+def require_api(api: str) -> None:
+    """Skip the calling test module, with a one-line reason, unless SGLang's graph-runner API is ``api``
+    (``"classic"`` or ``"runner"``, :mod:`graphpool.integrations.sglang.versions`)."""
+    import pytest
+
+    from graphpool.integrations.sglang import versions
+
+    if versions.runner_api() != api:
+        pytest.skip(f"needs the {api} API of SGLang's graph runner ({versions.SUPPORTED[api]}); installed: SGLang "
+                    f"{versions.sglang_version()}", allow_module_level=True)
 
 
 # ----------------------------------------------------------------------------------- KV state
@@ -213,6 +226,18 @@ class TorchPagedAttention(AttentionBackend):
                               (meta.mask, step.mask)):
             static.copy_(value)
 
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """SGLang 0.5.14+'s graph hook (capture and replay in one): the classic hooks above, fed from the
+        batch (a ForwardBatch at capture, the runner's replay view at replay)."""
+        fb = forward_batch
+        if in_capture:
+            self.init_forward_metadata_capture_cuda_graph(fb.batch_size, fb.input_ids.shape[0], fb.req_pool_indices,
+                                                          fb.seq_lens, None, fb.forward_mode, fb.spec_info)
+        else:
+            self.init_forward_metadata_replay_cuda_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens,
+                                                         fb.seq_lens_sum, None, fb.forward_mode, fb.spec_info,
+                                                         fb.seq_lens_cpu)
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
@@ -267,7 +292,7 @@ class SGLangModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
-        backend = forward_batch.attn_backend
+        backend = getattr(forward_batch, "attn_backend", None) or _context_attn_backend()
 
         def attn(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return backend.forward(q, k, v, self.attn_layers[layer_id], forward_batch)
@@ -295,8 +320,9 @@ class HarnessModelRunner:
     SGLang's own routing methods bound to it."""
 
     _forward_raw = ModelRunner._forward_raw
-    forward_decode = ModelRunner.forward_decode
-    forward_extend = ModelRunner.forward_extend
+    # The classic ModelRunner's eager paths (0.5.14+ runs eager steps through its EagerRunner instead).
+    forward_decode = getattr(ModelRunner, "forward_decode", None)
+    forward_extend = getattr(ModelRunner, "forward_extend", None)
 
     def __init__(self, cfg: HarnessConfig, device: torch.device, speculative: bool, model_seed: int = 0):
         # A torch.device, not SGLang's string: `_forward_raw` compares it with "cpu" to pick the CPU-graph
@@ -369,7 +395,8 @@ def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: L
                           seq_lens_sum=int((start + t).sum()), positions=pos.reshape(-1),
                           capture_hidden_mode=CaptureHiddenMode.NULL, **_runner_fields(mr))
         mr.attn_backend.init_forward_metadata(fb)
-        mr.model.forward(fb.input_ids, fb.positions, fb)
+        with attention_context(mr):
+            mr.model.forward(fb.input_ids, fb.positions, fb)
 
 
 def decode_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], alloc: SlotAllocator,
@@ -389,9 +416,34 @@ def decode_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], alloc:
 
 
 def _runner_fields(mr: HarnessModelRunner) -> Dict[str, Any]:
-    # What ForwardBatch.init_new copies from the model runner.
-    return dict(attn_backend=mr.attn_backend, req_to_token_pool=mr.req_to_token_pool,
-                token_to_kv_pool=mr.token_to_kv_pool, spec_algorithm=mr.spec_algorithm)
+    # What ForwardBatch.init_new copies from the model runner (0.5.14+ keeps the pools and the attention
+    # backend out of ForwardBatch: the model reads the backend from the forward context).
+    fields = dict(attn_backend=mr.attn_backend, req_to_token_pool=mr.req_to_token_pool,
+                  token_to_kv_pool=mr.token_to_kv_pool, spec_algorithm=mr.spec_algorithm)
+    return {k: v for k, v in fields.items() if k in _FORWARD_BATCH_FIELDS}
+
+
+_FORWARD_BATCH_FIELDS = frozenset(f.name for f in __import__("dataclasses").fields(ForwardBatch))
+
+
+def _context_attn_backend() -> Any:
+    """The attention backend of SGLang's forward context (0.5.14+, where ForwardBatch has none)."""
+    from sglang.srt.model_executor.forward_context import get_forward_context
+
+    return get_forward_context().attn_backend
+
+
+def attention_context(mr: HarnessModelRunner) -> Any:
+    """A forward context for an eager forward outside ``_forward_raw`` (0.5.14+; nothing for the classic API)."""
+    if "attn_backend" in _FORWARD_BATCH_FIELDS:
+        return contextlib.nullcontext()
+    import inspect
+
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    if "forward_batch" in inspect.signature(forward_context).parameters:
+        return forward_context(ForwardContext(attn_backend=mr.attn_backend), forward_batch=None)
+    return forward_context(ForwardContext(attn_backend=mr.attn_backend))
 
 
 def verify_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], drafts: torch.Tensor,
@@ -428,6 +480,9 @@ def forget_graph_memory_pool() -> None:
     Tests build several servers in one process. A graph pool is released with its last graph, and
     capturing into the stale handle again trips a caching-allocator assertion (seen with torch 2.11).
     """
-    from sglang.srt.model_executor import cuda_graph_runner
+    try:
+        from sglang.srt.model_executor import cuda_graph_runner as pool_owner
+    except ImportError:  # SGLang 0.5.14+: the runner package keeps the pool
+        from sglang.srt.model_executor.runner_utils import pool as pool_owner
 
-    cuda_graph_runner.set_global_graph_memory_pool(None)
+    pool_owner.set_global_graph_memory_pool(None)

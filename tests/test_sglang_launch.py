@@ -11,6 +11,8 @@ import torch
 
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
 
+H.require_api("classic")  # the runner API (SGLang 0.5.14+) has its own tests
+
 from sglang.srt.model_executor import cuda_graph_runner, model_runner
 
 from graphpool.integrations import sglang as gp_sglang

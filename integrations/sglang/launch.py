@@ -3,7 +3,8 @@
 Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
 
 ``--graphpool-spec-off-above N``
-    EAGLE v1 only: decode plainly (no speculation) once a decode batch has more than N sequences.
+    decode plainly (no speculation) once a decode batch has more than N sequences: SGLang's EAGLE v1
+    worker (classic API, ``--disable-overlap-schedule``) or its spec-v2 worker (0.5.14+, any topk).
 ``--graphpool-spec-on-at-or-below M``
     speculate again once the batch is at or below M (default N; M < N gives hysteresis).
 ``--graphpool-keep-sglang-runner``
@@ -18,6 +19,7 @@ installs graphpool inside each scheduler process before running SGLang's own ``r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -37,13 +39,25 @@ class GraphpoolOptions:
     spec_off_above: Optional[int] = None
     spec_on_at_or_below: Optional[int] = None
     keep_sglang_runner: bool = False
+    #: SGLang's --speculative-adaptive is on: route its step 0 to plain steps (runner API only).
+    adaptive_step0: bool = False
 
     def apply(self) -> None:
         """Install the runner patch (and the speculation switch, if asked for) in this process."""
+        from . import versions
+
         if not self.keep_sglang_runner:
             from .patch import install
 
             install()
+        # --- runner API (SGLang 0.5.14+): the spec-v2 switch (issue 13) ---
+        if versions.runner_api() == versions.RUNNER:
+            if self.spec_off_above is not None or self.adaptive_step0:
+                from .spec_switch_v2 import install_speculation_switch as install_v2
+
+                install_v2(self.spec_off_above, self.spec_on_at_or_below)
+            return
+        # --- classic API ---
         if self.spec_off_above is not None:
             from .spec_switch import install_speculation_switch
 
@@ -96,6 +110,10 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     if getattr(server_args, "enable_dp_attention", False):
         raise SystemExit("--graphpool-spec-off-above does not support DP attention (the plain step runs on one "
                          "attention group); drop --enable-dp-attention")
+    from . import versions
+
+    if versions.runner_api() == versions.RUNNER:  # spec v2 runs with or without the overlap scheduler
+        return
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
                          "without the overlap scheduler; add --disable-overlap-schedule")
@@ -112,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     load_plugins()
     server_args = prepare_server_args(rest)
     check_server_args(options, server_args)
+    if getattr(server_args, "speculative_adaptive", False):  # runner API: its step 0 on DECODE graphs
+        options = dataclasses.replace(options, adaptive_step0=True)
     options.apply()  # this process too, for an in-process engine
     try:
         launch_server(server_args, run_scheduler_process_func=SchedulerEntry(options))

@@ -15,7 +15,7 @@ import importlib
 import logging
 from typing import Any, Dict
 
-from .runner import MultiModeCudaGraphRunner
+from . import versions
 from .support import unsupported_reasons
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,19 @@ def build_graph_runner(model_runner: Any, **kwargs: Any) -> Any:
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
         return CudaGraphRunner(model_runner, **kwargs)
+    from .runner import MultiModeCudaGraphRunner
+
     return MultiModeCudaGraphRunner(model_runner, **kwargs)
 
 
 def install() -> None:
     """Swap the runner SGLang builds for the target model, in this process. Idempotent."""
+    # --- runner API (SGLang 0.5.14+): its own patch (issue 13) ---
+    if versions.runner_api() == versions.RUNNER:
+        from . import patch_runner_api
+
+        return patch_runner_api.install()
+    # --- classic API ---
     for name in PATCHED_MODULES:
         if name in _originals:
             continue
@@ -62,6 +70,9 @@ def install() -> None:
 
 def uninstall() -> None:
     """Put SGLang's own ``CudaGraphRunner`` back wherever :func:`install` replaced it."""
+    from . import patch_runner_api  # runner API (issue 13); a no-op when it installed nothing
+
+    patch_runner_api.uninstall()
     for name, original in list(_originals.items()):
         importlib.import_module(name).CudaGraphRunner = original
         del _originals[name]
@@ -69,4 +80,6 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Whether :func:`install` is in effect in this process."""
-    return bool(_originals)
+    from . import patch_runner_api  # runner API (issue 13)
+
+    return bool(_originals) or patch_runner_api.installed()

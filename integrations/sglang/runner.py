@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Union
 
 import torch
 
-from graphpool import GraphPool, Mode, Step, StepBatch, StepInput
+from graphpool import GraphPool, Mode, Step, StepBatch
 from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_is_extend_in_batch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor import cuda_graph_runner as sglang_runner
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
 
+from . import common
+from .common import MODE_NAMES, GraphId
 from .replay_log import ReplayLog
 from .support import capture_batch_sizes, unsupported_reasons
 
@@ -40,11 +42,6 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-#: Pool mode name of each SGLang forward mode the runner captures.
-MODE_NAMES: Dict[ForwardMode, str] = {ForwardMode.DECODE: "decode", ForwardMode.TARGET_VERIFY: "target_verify"}
-
-GraphId = Tuple[ForwardMode, int]  # (forward mode, padded batch size): the key of `graphs`
 
 
 class MultiModeCudaGraphRunner:
@@ -128,32 +125,17 @@ class MultiModeCudaGraphRunner:
     # ----------------------------------------------------------------------------------- set-up
     @staticmethod
     def _initial_hidden_modes(spec: Any, server_args: Any) -> Dict[ForwardMode, CaptureHiddenMode]:
-        # EAGLE's draft model reads the target's hidden states of every token it verifies, and of the
-        # token a plain-decode fallback step produced: both modes capture FULL for EAGLE.
-        eagle = spec.is_speculative() and not spec.is_standalone()
-        mode = CaptureHiddenMode.FULL if eagle or server_args.enable_return_hidden_states else CaptureHiddenMode.NULL
-        modes = {ForwardMode.DECODE: mode}
-        if spec.is_speculative():
-            modes[ForwardMode.TARGET_VERIFY] = mode
-        return modes
+        server_mode = CaptureHiddenMode.FULL if server_args.enable_return_hidden_states else CaptureHiddenMode.NULL
+        return common.initial_hidden_modes(spec, server_mode)
 
     def _step_inputs(self) -> list:
-        # Same dtypes as SGLang's DecodeInputBuffers, so attention backends see what they expect.
-        # Padded rows: seq_lens = the backend's fill value, out_cache_loc = 0, SGLang's dummy KV slot.
-        return [StepInput("input_ids", torch.int64, per="token"),
-                StepInput("positions", torch.int64, per="token"),
-                StepInput("out_cache_loc", torch.int64, per="token", fill=0),
-                StepInput("seq_lens", torch.int32, per="seq", fill=self.seq_len_fill_value),
-                StepInput("req_pool_indices", torch.int64, per="seq", fill=0)]
+        return common.step_inputs(self.seq_len_fill_value, torch.int32)  # int32 seq_lens, as DecodeInputBuffers
 
     def _shared_memory_pool(self) -> Any:
-        """SGLang's global graph memory pool, created if this runner captures first, so the EAGLE draft
-        runners (which call SGLang's ``CudaGraphRunner.capture`` unbound) share it."""
-        if torch.device(self.device).type != "cuda":
-            return None
-        if sglang_runner.get_global_graph_memory_pool() is None:
-            sglang_runner.set_global_graph_memory_pool(torch.cuda.graph_pool_handle())
-        return sglang_runner.get_global_graph_memory_pool()
+        """SGLang's global graph memory pool, shared with the EAGLE draft runners (which call SGLang's
+        ``CudaGraphRunner.capture`` unbound)."""
+        return common.graph_memory_pool(self.device, sglang_runner.get_global_graph_memory_pool,
+                                        sglang_runner.set_global_graph_memory_pool)
 
     @property
     def capture_hidden_mode(self) -> CaptureHiddenMode:
@@ -212,36 +194,22 @@ class MultiModeCudaGraphRunner:
         self._capture_batches[graph_id] = fb
 
     def _capture_batch(self, forward_mode: ForwardMode, batch: StepBatch) -> ForwardBatch:
-        views, bs = batch.inputs, batch.bs
         self.num_token_non_padded.fill_(batch.num_tokens)
         spec_info = self._capture_spec_info() if forward_mode == ForwardMode.TARGET_VERIFY else None
         hidden = self.capture_hidden_modes[forward_mode]
         if spec_info is not None and spec_info.capture_hidden_mode > hidden:
             hidden = self.capture_hidden_modes[forward_mode] = spec_info.capture_hidden_mode
-        mr = self.model_runner
-        return ForwardBatch(
-            forward_mode=forward_mode, batch_size=bs, input_ids=views["input_ids"],
-            req_pool_indices=views["req_pool_indices"], seq_lens=views["seq_lens"],
-            seq_lens_cpu=self.seq_lens_cpu[:bs], orig_seq_lens=views["seq_lens"],
-            req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
-            attn_backend=self.attn_backend, out_cache_loc=views["out_cache_loc"],
-            seq_lens_sum=int(self.seq_lens_cpu[:bs].sum()), return_logprob=False, positions=views["positions"],
-            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), spec_algorithm=mr.spec_algorithm,
-            spec_info=spec_info, capture_hidden_mode=hidden, num_token_non_padded=self.num_token_non_padded,
-            global_forward_mode=forward_mode)
+        return common.capture_forward_batch(
+            self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
+            capture_hidden_mode=hidden, num_token_non_padded=self.num_token_non_padded,
+            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph())
 
     def _capture_spec_info(self) -> Any:
         """The verify input TARGET_VERIFY graphs are captured with (no draft yet; static tree mask)."""
-        spec = self.model_runner.spec_algorithm
-        from sglang.srt.speculative.eagle_info import EagleVerifyInput
-
-        return EagleVerifyInput(
-            draft_token=None, custom_mask=self.custom_mask, positions=None, retrieve_index=None,
-            retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
-            spec_steps=self.speculative_num_steps, topk=self.model_runner.server_args.speculative_eagle_topk,
-            draft_token_num=self.speculative_num_draft_tokens,
-            capture_hidden_mode=CaptureHiddenMode.NULL if spec.is_standalone() else CaptureHiddenMode.FULL,
-            seq_lens_sum=None, seq_lens_cpu=None)
+        return common.verify_capture_input(
+            self.model_runner, self.custom_mask, num_steps=self.speculative_num_steps,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            topk=self.model_runner.server_args.speculative_eagle_topk)
 
     def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
         """The pool's step function: the model's forward on the key's static ForwardBatch."""
@@ -352,13 +320,5 @@ class MultiModeCudaGraphRunner:
         return self._capture_spec_info() if self.speculative else None
 
 
-def _requested_hidden_mode(forward_batch: ForwardBatch) -> CaptureHiddenMode:
-    spec_mode = getattr(forward_batch.spec_info, "capture_hidden_mode", None)
-    return max(forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL, spec_mode or CaptureHiddenMode.NULL)
-
-
-def _pool_graphs(pool: GraphPool) -> Dict[GraphId, Any]:
-    """(forward mode, bs) -> the captured graph (a ``torch.cuda.CUDAGraph`` on the CUDA backend)."""
-    sizes = pool.batch_sizes
-    return {(mode, bs): pool.graph(name, bs) for mode, name in MODE_NAMES.items() if name in sizes
-            for bs in sizes[name]}
+_requested_hidden_mode = common.requested_hidden_mode
+_pool_graphs = common.pool_graphs

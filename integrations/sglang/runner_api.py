@@ -1,0 +1,286 @@
+"""MultiModeDecodeRunner: SGLang's ``DecodeCudaGraphRunner`` API (0.5.14+) over one :class:`~graphpool.GraphPool`.
+
+From 0.5.14 SGLang builds decode graphs with ``sglang.srt.model_executor.runner.DecodeCudaGraphRunner``
+(``can_run_graph`` / ``load_batch`` / ``execute``), still for ONE forward mode: with speculation on,
+TARGET_VERIFY graphs of ``num_draft_tokens`` tokens per sequence, and any other step runs eagerly
+(0.5.23's ``can_run_graph`` refuses a width it did not capture). This runner keeps TARGET_VERIFY **and**
+plain DECODE graphs for every batch size over one set of static buffers and SGLang's global graph memory
+pool, and routes each step by its own forward mode. Which graphs exist and how they are captured is
+shared with the classic adapter (:mod:`.common`); this module is the runner-API glue:
+
+* attention metadata through ``init_forward_metadata_out_graph(fb, in_capture)`` (outside the graph) and
+  ``init_forward_metadata_in_graph(fb)`` (inside it), each step passing its OWN forward mode;
+* spec v2's split use: ``can_run_graph`` + ``load_batch`` on the plan stream, ``mark_forward_metadata_ready``,
+  then ``execute`` re-stages only the inputs the draft changed (``needs_forward_metadata_init()`` False);
+* ``--cuda-graph-config`` decode backend ``full`` is served; ``breakable`` and ``tc_piecewise`` are
+  refused with the reason (:mod:`.runner_api_support`).
+
+.. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any, Dict, Iterator, Optional, Union
+
+import torch
+
+from graphpool import Step, StepBatch
+from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_is_extend_in_batch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
+                                                          PPProxyTensors)
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.model_executor.runner_utils import pool as sglang_pool
+from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+from . import common
+from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_reasons, server_hidden_mode,
+                                 spec_settings)
+
+log = logging.getLogger(__name__)
+
+# 0.5.14's forward_context(ctx) vs 0.5.2x's forward_context(ctx, forward_batch=...).
+_CONTEXT_TAKES_BATCH = "forward_batch" in inspect.signature(forward_context).parameters
+
+
+def _forward_context(attn_backend: Any, forward_batch: ForwardBatch) -> Any:
+    ctx = ForwardContext(attn_backend=attn_backend)
+    return forward_context(ctx, forward_batch=forward_batch) if _CONTEXT_TAKES_BATCH else forward_context(ctx)
+
+
+class MultiModeDecodeRunner:
+    """Drop-in for SGLang's ``DecodeCudaGraphRunner`` (0.5.14+) holding graphs of several forward modes.
+
+    Args:
+        model_runner: SGLang's ``ModelRunner`` of the target model.
+        attn_backend: the attention backend the graphs use (default ``model_runner.attn_backend``);
+            SGLang's adaptive speculation passes one per step count.
+        speculative_num_steps, speculative_num_draft_tokens: the speculation shape (default: the server's).
+        record_nolora_graph: SGLang's LoRA variant switch; LoRA is not served, so True is refused.
+
+    Raises:
+        ValueError: the server uses a feature or decode graph backend this runner does not serve (the
+            message names each and why); :func:`graphpool.integrations.sglang.install` hands such servers
+            to SGLang's own runner.
+        graphpool.CaptureError: a graph failed to capture.
+    """
+
+    #: GraphPool backend: "auto" replays CUDA graphs on CUDA and runs the eager twin elsewhere.
+    pool_backend = "auto"
+
+    def __init__(self, model_runner: Any, *, attn_backend: Any = None, speculative_num_steps: Optional[int] = None,
+                 speculative_num_draft_tokens: Optional[int] = None, record_nolora_graph: bool = False):
+        reasons = refusal_reasons(model_runner, record_nolora_graph)
+        if reasons:
+            raise ValueError(f"MultiModeDecodeRunner does not support {'; '.join(reasons)}. Run this server with "
+                             f"SGLang's own DecodeCudaGraphRunner (graphpool's install() does so automatically)")
+        self.model_runner = model_runner
+        self.device = model_runner.device
+        self.attn_backend = attn_backend or model_runner.attn_backend
+        spec = model_runner.spec_algorithm
+        settings = spec_settings(model_runner, speculative_num_steps, speculative_num_draft_tokens)
+        self.speculative_num_steps, self.speculative_num_draft_tokens = settings.num_steps, settings.num_draft_tokens
+        self.topk = settings.topk
+        self.speculative = spec.is_speculative()
+        self.disable_padding = disable_padding(model_runner)
+        self.is_encoder_decoder = False
+        self.enable_torch_compile = False
+        self.compile_bs: list = []
+
+        # SGLang's single capture mode ("primary"); DECODE graphs are captured besides it.
+        self.capture_forward_mode = ForwardMode.TARGET_VERIFY if self.speculative else ForwardMode.DECODE
+        self.tokens_per_mode = common.tokens_per_mode(self.speculative, self.speculative_num_draft_tokens)
+        self.captured_req_width = self.num_tokens_per_bs = self.tokens_per_mode[self.capture_forward_mode]
+        self.capture_hidden_modes = common.initial_hidden_modes(spec, server_hidden_mode(model_runner))
+
+        self.capture_bs = decode_batch_sizes(model_runner, self.captured_req_width)
+        self.max_bs = max(self.capture_bs)
+        self.max_num_token = self.max_bs * max(self.tokens_per_mode.values())
+        # Once, sized for the largest mode: backends reallocate buffers that captured graphs point at.
+        self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_num_token)
+        self.seq_len_fill_value = self.attn_backend.get_cuda_graph_seq_len_fill_value()
+
+        self.pool = common.build_pool(
+            self.tokens_per_mode, common.step_inputs(self.seq_len_fill_value, torch.int64), self.capture_bs,
+            self.device, self.pool_backend, common.graph_memory_pool(
+                self.device, sglang_pool.get_global_graph_memory_pool, sglang_pool.set_global_graph_memory_pool))
+        # Inputs the pool does not route: the CPU copy of seq_lens for attention planning, the dummy tree
+        # mask verify graphs are captured with, and the non-padded token count some models read.
+        self.seq_lens_cpu = torch.full((self.max_bs,), self.seq_len_fill_value, dtype=torch.int64)
+        self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
+                                      * self.captured_req_width, dtype=torch.bool, device=self.device)
+        self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
+
+        self.graphs: Dict[common.GraphId, Any] = {}
+        self.output_buffers: Dict[common.GraphId, Any] = {}
+        self.bs = self.raw_bs = self.raw_num_token = 0
+        self.forward_mode = self.capture_forward_mode  # mode of the last loaded step
+        self._step: Optional[Step] = None  # the step load_batch staged, for execute
+        self._capture_batches: Dict[common.GraphId, ForwardBatch] = {}
+        self._capturing = False
+        self.capture()
+
+    # ----------------------------------------------------------------------------------- set-up
+    @property
+    def capture_hidden_mode(self) -> CaptureHiddenMode:
+        """Hidden-state capture mode of the primary mode (SGLang's single runner-wide value)."""
+        return self.capture_hidden_modes[self.capture_forward_mode]
+
+    @classmethod
+    def decode_graph_gather_requirements(cls, model_runner: Any) -> tuple:
+        """(mlp_tp_gather, attn_tp_gather) of SGLang's runner (0.5.2x asks the class): none, since DP
+        attention and gathered buffers are refused."""
+        return (False, False)
+
+    def capture(self) -> None:
+        """Capture every (forward mode, batch size), largest token count first, into the shared pool."""
+        self._capture_batches.clear()
+        self.output_buffers.clear()
+        self._capturing = True
+        try:
+            with self._capture_context():
+                self.pool.capture(self._run_model, prepare=self._prepare_capture, progress=False)
+        finally:
+            self._capturing = False
+        self.graphs = common.pool_graphs(self.pool)
+        log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
+                 [m.name for m in self.tokens_per_mode], self.capture_bs)
+
+    @contextlib.contextmanager
+    def _capture_context(self) -> Iterator[None]:
+        # SGLang's graph_capture() lets tensor-parallel all-reduce register the graphs' buffers; it needs
+        # the TP group, which a single-process test harness does not create.
+        from sglang.srt.distributed import parallel_state
+
+        on_cuda = torch.device(self.device).type == "cuda"
+        if on_cuda:  # symmetric-memory all-reduce looks the graph pool up by this id
+            from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id
+
+            set_graph_pool_id(self.pool.memory_pool)
+        with model_capture_mode():
+            if on_cuda and parallel_state.model_parallel_is_initialized():
+                with parallel_state.graph_capture():
+                    yield
+            else:
+                yield
+
+    def _prepare_capture(self, batch: StepBatch, real_bs: int) -> None:
+        """Pool hook, outside the graph. At capture: build the key's ForwardBatch and plan its attention
+        (first call), then the backend's post-warm-up hook (second call). At replay: nothing, because
+        :meth:`load_batch` plans attention itself (spec v2 calls it apart from :meth:`execute`)."""
+        if not self._capturing:
+            return
+        mode = common.forward_mode_of(batch)
+        graph_id = (mode, batch.bs)
+        if graph_id in self._capture_batches:
+            getattr(self.attn_backend, "on_after_cuda_graph_warmup", lambda: None)()
+            return
+        self.num_token_non_padded.fill_(batch.num_tokens)
+        spec_info = self._capture_spec_info(batch.num_tokens) if mode == ForwardMode.TARGET_VERIFY else None
+        hidden = self.capture_hidden_modes[mode]
+        if spec_info is not None and spec_info.capture_hidden_mode > hidden:
+            hidden = self.capture_hidden_modes[mode] = spec_info.capture_hidden_mode
+        fb = common.capture_forward_batch(
+            self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
+            capture_hidden_mode=hidden, num_token_non_padded=None,
+            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), can_run_decode_cuda_graph=True)
+        self.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        self._capture_batches[graph_id] = fb
+
+    def _capture_spec_info(self, num_tokens: int) -> Any:
+        info = common.verify_capture_input(self.model_runner, self.custom_mask, num_steps=self.speculative_num_steps,
+                                           num_draft_tokens=self.speculative_num_draft_tokens, topk=self.topk)
+        mc = self.model_runner.model_config  # MTP models read spec_info.hidden_states in the forward
+        info.hidden_states = torch.zeros((num_tokens, mc.hidden_size), dtype=mc.dtype, device=self.device)
+        return info
+
+    def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
+        """The pool's step function: in-graph attention metadata, then the model on the key's ForwardBatch."""
+        graph_id = (common.forward_mode_of(batch), batch.bs)
+        fb = self._capture_batches[graph_id]
+        with _forward_context(self.attn_backend, fb):
+            self.attn_backend.init_forward_metadata_in_graph(fb)
+            set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
+            set_is_extend_in_batch(False)
+            out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
+        result = {"next_token_logits": out.next_token_logits, "hidden_states": out.hidden_states}
+        if self._capturing:
+            self.output_buffers[graph_id] = result  # the last call of a key at capture is the captured one
+        return result
+
+    # ----------------------------------------------------------------------------------- steps
+    def can_run_graph(self, forward_batch: ForwardBatch) -> bool:
+        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode."""
+        mode, bs = forward_batch.forward_mode, forward_batch.batch_size
+        tokens = self.tokens_per_mode.get(mode)
+        if tokens is None or forward_batch.replace_embeds is not None or bs < 1:
+            return False
+        if not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
+            return False
+        # The check a single-mode runner lacks: a step carries exactly bs x tokens_per_seq tokens of its mode.
+        if forward_batch.input_ids is None or forward_batch.input_ids.shape[0] != bs * tokens:
+            return False
+        return common.hidden_mode_served(common.requested_hidden_mode(forward_batch), self.capture_hidden_modes[mode])
+
+    def load_batch(self, forward_batch: ForwardBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None) -> None:
+        """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
+        ``raw_num_token``. A batch already loaded (``needs_forward_metadata_init()`` False: spec v2 loaded
+        it on the plan stream) only has its inputs staged again, since the draft changed them."""
+        if not _needs_metadata(forward_batch) and self._step is not None:
+            self._step = self._stage(forward_batch)
+            return
+        step = self._stage(forward_batch)
+        mode, bs, raw_bs = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size
+        if forward_batch.seq_lens_cpu is not None:
+            self.seq_lens_cpu[raw_bs:bs].fill_(self.seq_len_fill_value)
+            self.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+        if forward_batch.num_token_non_padded is not None:  # read by MoE models under expert parallelism
+            self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
+        self.attn_backend.init_forward_metadata_out_graph(self._replay_view(forward_batch, step))
+        self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
+        self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
+        self._step = step
+
+    def _replay_view(self, forward_batch: ForwardBatch, step: Step) -> Any:
+        """What the attention backend plans a replay from: the padded static views, the batch's own mode
+        (a DECODE step passes ``spec_info=None``: to FlashInfer/FA3 a DECODE step with one is a draft decode)."""
+        from types import SimpleNamespace
+
+        mode, bs, raw_bs, views = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size, step.batch.inputs
+        seq_lens_sum = forward_batch.seq_lens_sum
+        return SimpleNamespace(
+            batch_size=bs, forward_mode=mode, actual_forward_mode=mode, input_ids=views["input_ids"],
+            positions=views["positions"], req_pool_indices=views["req_pool_indices"], seq_lens=views["seq_lens"],
+            seq_lens_cpu=None if forward_batch.seq_lens_cpu is None else self.seq_lens_cpu[:bs],
+            seq_lens_sum=None if seq_lens_sum is None else seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value,
+            num_padding=bs - raw_bs, encoder_lens=None, out_cache_loc=views["out_cache_loc"],
+            spec_info=forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None,
+            max_seq_len_host=getattr(forward_batch, "max_seq_len_host", None),
+            kv_loc_plan=getattr(forward_batch, "kv_loc_plan", None), lora_ids=None,
+            global_num_tokens_cpu=None, dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(),
+            can_run_decode_cuda_graph=True)
+
+    def execute(self, forward_batch: ForwardBatch,
+                pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
+        """Load (or re-stage) the batch and replay the graph of its own forward mode; outputs sliced to
+        the real tokens."""
+        self.load_batch(forward_batch, pp_proxy_tensors)
+        out = self.pool.replay(self._step)
+        return LogitsProcessorOutput(next_token_logits=out["next_token_logits"], hidden_states=out["hidden_states"])
+
+    def _stage(self, forward_batch: ForwardBatch) -> Step:
+        return self.pool.stage(
+            common.MODE_NAMES[forward_batch.forward_mode], input_ids=forward_batch.input_ids,
+            positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc.to(torch.int64),
+            seq_lens=forward_batch.seq_lens.to(torch.int64), req_pool_indices=forward_batch.req_pool_indices)
+
+    def get_spec_info(self, num_tokens: int) -> Any:
+        """The verify input the primary mode's graphs are captured with (SGLang's method name)."""
+        return self._capture_spec_info(num_tokens) if self.speculative else None
+
+
+def _needs_metadata(forward_batch: ForwardBatch) -> bool:
+    needs = getattr(forward_batch, "needs_forward_metadata_init", None)
+    return True if needs is None else bool(needs())

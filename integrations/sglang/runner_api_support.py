@@ -1,0 +1,127 @@
+"""Settings and refusals of the runner-API adapter (SGLang 0.5.14+), read the way each release keeps them.
+
+0.5.14 reads its settings from ``model_runner.server_args``; later releases (0.5.2x) from the published
+runtime context (``get_exec()``, ``get_spec()``), where SGLang's adaptive speculation also overrides the
+step count while it builds its runners. These readers try the runtime context first and fall back to
+``server_args``, so one adapter serves the whole 0.5.14 to 0.5.23 range.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+from .support import unsupported_reasons
+
+#: Decode graph backends of ``--cuda-graph-config`` a pool serves: one whole-step graph per key.
+SERVED_BACKENDS = ("full", "disabled")
+
+#: Why each other decode backend is refused (the error names the backend and this reason).
+REFUSED_BACKENDS = {
+    "breakable": "it captures a step as segments with eager Python between graph breaks (and replays them "
+                 "eagerly under --debug-cuda-graph); a pool replays one whole-step graph per (mode, batch size)",
+    "tc_piecewise": "it compiles the step piecewise with torch.compile per token count; a pool captures "
+                    "whole-step graphs of the eager model",
+}
+
+#: SGLang environment switches whose graph inputs or metadata paths the adapter does not stage.
+_REFUSED_ENV = (("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "the attention-metadata glue graph"),
+                ("SGLANG_OPT_DSV41_TARGET_METADATA_EARLY", "early verify metadata (DSpark)"))
+
+
+def _bag(name: str) -> Any:
+    """A published runtime-context namespace (0.5.2x), or None (0.5.14, or not published yet)."""
+    try:
+        from sglang.srt import runtime_context
+    except ImportError:
+        return None
+    getter = getattr(runtime_context, f"get_{name}", None)
+    try:
+        return getter() if getter is not None else None
+    except ValueError:  # "config namespace ... not published"
+        return None
+
+
+def _setting(model_runner: Any, bag: str, path: Tuple[str, ...], default: Any = None) -> Any:
+    """``get_<bag>().<path>`` where published (0.5.2x), else ``server_args.<last part of path>`` (0.5.14)."""
+    value = _bag(bag)
+    for part in path:
+        value = getattr(value, part, None) if value is not None else None
+    if value is None:
+        value = getattr(model_runner.server_args, path[-1], None)
+    return default if value is None else value
+
+
+def decode_graph_backend(model_runner: Any) -> str:
+    """``--cuda-graph-config``'s decode backend (``full`` when unset, as SGLang defaults)."""
+    config = _setting(model_runner, "exec", ("graph", "cuda_graph_config"))
+    backend = getattr(getattr(config, "decode", None), "backend", None)
+    return str(backend or "full")
+
+
+def refusal_reasons(model_runner: Any, record_nolora_graph: bool = False) -> List[str]:
+    """Why the runner-API adapter cannot serve ``model_runner`` (empty: it can); each reason says why."""
+    reasons = unsupported_reasons(model_runner)
+    backend = decode_graph_backend(model_runner)
+    if backend not in SERVED_BACKENDS:
+        why = REFUSED_BACKENDS.get(backend, "graphpool does not know this backend")
+        reasons.append(f"decode graph backend {backend!r} of --cuda-graph-config ({why})")
+    if record_nolora_graph:
+        reasons.append("LoRA / no-LoRA graph variants")
+    for env, what in _REFUSED_ENV:
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            reasons.append(f"{what} ({env})")
+    if os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static").lower() not in ("", "static", "0", "false"):
+        reasons.append("ragged verify graphs (SGLANG_RAGGED_VERIFY_MODE)")
+    return reasons
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """The speculation shape one runner is built for (SGLang's adaptive speculation builds one per step count)."""
+
+    num_steps: int
+    num_draft_tokens: int
+    topk: int
+
+
+def spec_settings(model_runner: Any, num_steps: Optional[int], num_draft_tokens: Optional[int]) -> SpecSettings:
+    """The constructor's overrides, else the published (possibly adaptive-overridden) values, else server_args."""
+    if num_steps is None:
+        num_steps = _setting(model_runner, "spec", ("speculative_num_steps",), 0)
+    if num_draft_tokens is None:
+        num_draft_tokens = _setting(model_runner, "spec", ("speculative_num_draft_tokens",), 1)
+    topk = _setting(model_runner, "spec", ("speculative_eagle_topk",), 1)
+    return SpecSettings(int(num_steps or 0), int(num_draft_tokens or 1), int(topk or 1))
+
+
+def server_hidden_mode(model_runner: Any) -> CaptureHiddenMode:
+    """Hidden states the server returns to users (none for a draft worker, as SGLang's runners)."""
+    if getattr(model_runner, "is_draft_worker", False):
+        return CaptureHiddenMode.NULL
+    features = getattr(_bag("exec"), "features", None)
+    mode = getattr(features, "return_hidden_states_mode", None)
+    if mode == "last":
+        return CaptureHiddenMode.LAST
+    enabled = getattr(features, "enable_return_hidden_states", None)
+    if enabled is None:
+        enabled = getattr(model_runner.server_args, "enable_return_hidden_states", False)
+    return CaptureHiddenMode.FULL if mode == "full" or enabled else CaptureHiddenMode.NULL
+
+
+def disable_padding(model_runner: Any) -> bool:
+    """``--disable-cuda-graph-padding``: replay only exact captured batch sizes."""
+    return bool(_setting(model_runner, "exec", ("graph", "disable_cuda_graph_padding"), False))
+
+
+def decode_batch_sizes(model_runner: Any, tokens_per_req: int) -> List[int]:
+    """The batch sizes SGLang itself would capture (its ``get_batch_sizes_to_capture``: the decode ``bs``
+    list of ``--cuda-graph-config`` / ``--cuda-graph-bs``, aligned and capped at the request pool)."""
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
+
+    capture_bs, _ = get_batch_sizes_to_capture(model_runner, tokens_per_req)
+    if not capture_bs:
+        raise ValueError("SGLang chose no decode batch sizes to capture; pass --cuda-graph-bs 1 2 4 8 ...")
+    return sorted(int(bs) for bs in capture_bs)

@@ -1,0 +1,235 @@
+"""The dynamic speculation switch for SGLang's spec-v2 worker (runner API, 0.5.14+), at any ``topk``.
+
+Above ``off_above`` running requests a decode step is a **plain step**: one token per request, the target
+in DECODE mode (spec_info ``None``), which :class:`~.runner_api.MultiModeDecodeRunner` routes to a DECODE
+graph. A plain step does **no draft work**: no draft tree, no draft extend. The draft model's KV falls
+behind instead, and :class:`DraftLag` records from which position, per request. When speculation turns
+back on (at ``on_at_or_below``, hysteresis) the lagging requests catch up with ONE draft extend over the
+tokens they decoded plainly, fed the target hidden states those plain steps produced, exactly like a
+draft prefill of a chunk; speculation then resumes from an in-step draft.
+
+Where the user turns on SGLang's own ``--speculative-adaptive`` (which steps down to 0 draft steps by
+batch size, EAGLE/EAGLE3 at topk 1 only), its step 0 becomes a plain step too, instead of SGLang's
+1-token TARGET_VERIFY graph plus a draft extend.
+
+The step logic is plain tensors on SGLang objects (:func:`plain_decode_batch`, :class:`DraftLag`) and is
+what the CPU harness drives; :func:`install_speculation_switch` wires it into ``EAGLEWorkerV2``.
+
+Spec v2 reserves KV slots ahead (``eagle_prepare_for_decode`` over-allocates for the next verify), so a
+plain step allocates nothing: its one slot per request is already in ``req_to_token`` at ``seq_len``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+from .spec_switch import SpeculationSwitch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SpeculationSwitch", "DraftLag", "plain_decode_batch", "install_speculation_switch",
+           "uninstall_speculation_switch"]
+
+
+def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       seq_lens_cpu: torch.Tensor, bonus_tokens: torch.Tensor) -> ForwardBatch:
+    """The DECODE ForwardBatch of a spec-v2 plain step.
+
+    Args:
+        model_runner: the target ``ModelRunner``.
+        req_pool_indices: each request's row in ``req_to_token``.
+        seq_lens, seq_lens_cpu: tokens each request has in the KV cache *before* this step; the bonus
+            token (the last one verified or decoded) is not among them: it is this step's input.
+        bonus_tokens: that token per request.
+
+    Returns:
+        A ``ForwardBatch`` in DECODE mode, ``spec_info=None``, hidden states FULL (the draft catch-up
+        reads them), ``seq_lens`` advanced by one, writing K/V at the slot spec v2 reserved at ``seq_len``.
+
+    Raises:
+        ValueError: the rows disagree, or ``seq_len`` is past ``req_to_token``'s columns. The slot at
+            ``seq_len`` is trusted to be reserved (checking it would cost a device sync per step).
+    """
+    bs = req_pool_indices.shape[0]
+    if not (seq_lens.shape[0] == seq_lens_cpu.shape[0] == bonus_tokens.shape[0] == bs):
+        raise ValueError(f"plain decode step: {bs} requests but seq_lens {tuple(seq_lens.shape)}, seq_lens_cpu "
+                         f"{tuple(seq_lens_cpu.shape)}, bonus_tokens {tuple(bonus_tokens.shape)}; pass one row each")
+    table = model_runner.req_to_token_pool.req_to_token
+    if bs and int(seq_lens_cpu.max()) >= table.shape[1]:
+        raise ValueError(f"plain decode step at position {int(seq_lens_cpu.max())} past req_to_token's "
+                         f"{table.shape[1]} columns")
+    out_cache_loc = table[req_pool_indices, seq_lens.long()].to(torch.int64)
+    fields = dict(
+        forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=bonus_tokens.to(torch.int64),
+        req_pool_indices=req_pool_indices, seq_lens=seq_lens + 1, seq_lens_cpu=seq_lens_cpu + 1,
+        orig_seq_lens=seq_lens + 1, out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs,
+        positions=seq_lens.to(torch.int64), spec_info=None, capture_hidden_mode=CaptureHiddenMode.FULL,
+        spec_algorithm=model_runner.spec_algorithm)
+    return ForwardBatch(**fields)
+
+
+class DraftLag:
+    """Which requests' draft KV is behind, from which position, and the target hidden states to catch up.
+
+    Plain steps call :meth:`record`; a speculative step first calls :meth:`take` for its requests and runs
+    one draft extend over what it returns. ``keep_hidden=False`` (a draft that reads only tokens, as the
+    test harness's) stores positions only.
+    """
+
+    def __init__(self, keep_hidden: bool = True):
+        self.keep_hidden = keep_hidden
+        self._start: Dict[int, int] = {}
+        self._hidden: Dict[int, List[torch.Tensor]] = {}
+        self.catch_ups = 0
+        self.caught_up_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def record(self, rows: List[int], kv_lens: List[int], hidden: Optional[torch.Tensor] = None) -> None:
+        """A plain step wrote the target KV at ``kv_lens`` (one token per row) and not the draft's."""
+        for i, (row, at) in enumerate(zip(rows, kv_lens)):
+            self._start.setdefault(row, at)
+            if self.keep_hidden:
+                if hidden is None:
+                    raise ValueError("DraftLag(keep_hidden=True).record needs the plain step's hidden states")
+                self._hidden.setdefault(row, []).append(hidden[i:i + 1].clone())
+
+    def take(self, rows: List[int]) -> Dict[int, tuple]:
+        """``row -> (first lagging position, [gap, hidden] or None)`` for the lagging ``rows``; forgets them."""
+        out = {}
+        for row in rows:
+            if row in self._start:
+                chunks = self._hidden.pop(row, None)
+                out[row] = (self._start.pop(row), torch.cat(chunks) if chunks else None)
+        if out:
+            self.catch_ups += 1
+        return out
+
+    def forget(self, rows: List[int]) -> None:
+        """Requests that finished (their rows are reused by new requests)."""
+        for row in rows:
+            self._start.pop(row, None)
+            self._hidden.pop(row, None)
+
+
+# ----------------------------------------------------------------------------------- EAGLEWorkerV2 wiring
+def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: Any = None) -> Any:
+    """One plain step of a spec-v2 decode ``batch``: the target on a DECODE graph, sampled, no draft work.
+
+    Returns SGLang's ``GenerationBatchResult`` shaped like its own 0-step (trivial verify) result: one
+    token per request, ``accept_lens`` 1, and a next ``EagleDraftInput`` whose ``bonus_tokens`` are the new
+    tokens (the draft fields are zero stubs; the catch-up rebuilds them before the next speculative step).
+    """
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    target = worker.target_worker.model_runner
+    draft_input, bs = batch.spec_info, batch.seq_lens.shape[0]
+    fb = plain_decode_batch(target, req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+                            seq_lens_cpu=batch.seq_lens_cpu, bonus_tokens=draft_input.bonus_tokens)
+    fb.sampling_info = batch.sampling_info
+    out = target.forward(fb)
+    next_ids = target.sample(out.logits_output, fb)
+    new_seq_lens = batch.seq_lens + 1
+    if on_publish is not None:
+        on_publish(new_seq_lens)
+    lag.record([int(r) for r in batch.req_pool_indices.tolist()], batch.seq_lens_cpu.tolist(),
+               out.logits_output.hidden_states)
+    hidden = out.logits_output.hidden_states
+    next_draft = EagleDraftInput(
+        bonus_tokens=next_ids.to(torch.int32), topk_p=torch.zeros((bs, worker.topk), device=next_ids.device),
+        topk_index=torch.zeros((bs, worker.topk), dtype=torch.int64, device=next_ids.device),
+        hidden_states=torch.zeros_like(hidden) if hidden is not None else None)
+    return GenerationBatchResult(
+        logits_output=out.logits_output, next_token_ids=next_ids, can_run_cuda_graph=out.can_run_graph,
+        speculative_num_draft_tokens=1, next_draft_input=next_draft,
+        accept_lens=torch.ones(bs, dtype=torch.int32, device=next_ids.device),
+        accept_index=torch.arange(bs, device=next_ids.device)[:, None], new_seq_lens=new_seq_lens)
+
+
+def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
+    """Before a speculative step: one draft extend over the tokens lagging requests decoded plainly, fed
+    the hidden states their plain steps produced (as a draft prefill of that chunk); the result becomes
+    those requests' draft input for this step."""
+    import copy
+
+    rows = [int(r) for r in batch.req_pool_indices.tolist()]
+    gaps = lag.take(rows)
+    if not gaps:
+        return
+    table = batch.req_to_token_pool.req_to_token
+    idx = [i for i, r in enumerate(rows) if r in gaps]
+    starts = [gaps[rows[i]][0] for i in idx]
+    ends = [int(batch.seq_lens_cpu[i]) for i in idx]
+    view = copy.copy(batch)  # the worker's batch keeps its own fields
+    view.forward_mode = ForwardMode.EXTEND
+    view.req_pool_indices = batch.req_pool_indices[idx]
+    view.input_ids = torch.cat([_committed_tokens(batch.reqs[i], s, e, table.device)
+                                for i, s, e in zip(idx, starts, ends)])
+    view.out_cache_loc = torch.cat([table[rows[i], s:e].to(torch.int64) for i, s, e in zip(idx, starts, ends)])
+    view.extend_lens = [e - s for s, e in zip(starts, ends)]
+    view.prefix_lens = starts
+    view.seq_lens, view.seq_lens_cpu = batch.seq_lens[idx], batch.seq_lens_cpu[idx]
+    hidden = torch.cat([gaps[rows[i]][1] for i in idx])
+    draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[idx])
+    lag.caught_up_tokens += sum(view.extend_lens)
+    for name in ("topk_p", "topk_index", "hidden_states"):
+        full = getattr(batch.spec_info, name)
+        if full is not None and getattr(draft_input, name) is not None:
+            full[idx] = getattr(draft_input, name).to(full.dtype)
+
+
+def _committed_tokens(req: Any, start: int, end: int, device: Any) -> torch.Tensor:
+    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    return torch.tensor(tokens[start:end], dtype=torch.int64, device=device)
+
+
+_original_forward: Optional[Any] = None
+
+
+def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optional[int] = None) -> SpeculationSwitch:
+    """Make SGLang's spec-v2 EAGLE worker decode plainly above ``off_above`` requests (in this process), and
+    route SGLang's adaptive step 0 (``--speculative-adaptive``) to plain steps. ``off_above=None``: only the
+    adaptive routing. Prefill batches and speculative steps keep SGLang's path (after a draft catch-up)."""
+    global _original_forward
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    switch = SpeculationSwitch(off_above if off_above is not None else 2**62, on_at_or_below)
+    lag = DraftLag()
+    original = _original_forward or EAGLEWorkerV2.forward_batch_generation
+
+    @functools.wraps(original)
+    def forward_batch_generation(self: Any, batch: Any, on_publish: Any = None, grammar_barrier: Any = None,
+                                 pp_proxy_tensors: Any = None) -> Any:
+        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        if decode and pp_proxy_tensors is None and batch.spec_info is not None:
+            self.activate_step_by_batch(batch.seq_lens.shape[0])  # SGLang's adaptive step count, if on
+            if not switch.speculate(batch.seq_lens.shape[0]) or self.speculative_num_steps == 0:
+                return eagle_v2_plain_decode(self, batch, lag, on_publish)
+            eagle_v2_catch_up(self, batch, lag)
+        return original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                        pp_proxy_tensors=pp_proxy_tensors)
+
+    forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
+    forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
+    _original_forward = original
+    EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+    log.info("graphpool: spec v2 plain decode above %s requests, back on at <= %d; adaptive step 0 on DECODE graphs",
+             off_above, switch.policy.on_at_or_below)
+    return switch
+
+
+def uninstall_speculation_switch() -> None:
+    """Restore SGLang's ``EAGLEWorkerV2.forward_batch_generation``."""
+    global _original_forward
+    if _original_forward is not None:
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+        EAGLEWorkerV2.forward_batch_generation = _original_forward
+        _original_forward = None

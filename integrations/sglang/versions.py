@@ -1,0 +1,65 @@
+"""Which SGLang graph-runner API is installed: the classic ``CudaGraphRunner`` or the runner package.
+
+SGLang changed how it builds decode graphs in 0.5.14:
+
+* **classic** (0.5.9 to 0.5.13.post1): ``sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner``
+  with ``can_run`` / ``replay_prepare`` / ``replay``, held as ``ModelRunner.graph_runner``;
+* **runner** (0.5.14 and later, checked up to 0.5.23): the ``sglang.srt.model_executor.runner`` package,
+  ``DecodeCudaGraphRunner`` with ``can_run_graph`` / ``load_batch`` / ``execute``, held as
+  ``ModelRunner.decode_cuda_graph_runner``.
+
+The answer is read from which modules exist, not from the version string, so a patch release that
+keeps one API or the other is handled; the version is reported in messages.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+
+CLASSIC = "classic"
+RUNNER = "runner"
+
+#: Module that exists only in each generation.
+_MARKERS = ((RUNNER, "sglang.srt.model_executor.runner.decode_cuda_graph_runner"),
+            (CLASSIC, "sglang.srt.model_executor.cuda_graph_runner"))
+
+#: What each generation covers and what graphpool was verified against (for messages and the README).
+SUPPORTED = {CLASSIC: "SGLang 0.5.9 to 0.5.13.post1 (verified: 0.5.12.post1)",
+             RUNNER: "SGLang 0.5.14 to 0.5.23 (verified: 0.5.23 in CI; 0.5.14 once, CPU)"}
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version string, or ``"not installed"``."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@functools.lru_cache(maxsize=None)
+def runner_api() -> str:
+    """:data:`CLASSIC` or :data:`RUNNER`, for the installed SGLang.
+
+    Raises:
+        ImportError: SGLang is not installed, or has neither API (too old, or a layout graphpool does not know).
+    """
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError("graphpool's SGLang integration needs SGLang; install one of: "
+                          + "; ".join(SUPPORTED.values()))
+    for api, module in _MARKERS:
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return api
+        except ModuleNotFoundError:  # a parent package of the marker is missing
+            continue
+    raise ImportError(f"SGLang {sglang_version()} has neither the classic CudaGraphRunner nor the runner package; "
+                      f"graphpool supports " + "; ".join(SUPPORTED.values()))
+
+
+def require(api: str) -> None:
+    """Raise ``ImportError`` naming both versions when the installed SGLang is not of generation ``api``."""
+    found = runner_api()
+    if found != api:
+        raise ImportError(f"this module needs the {api} graph-runner API ({SUPPORTED[api]}); the installed SGLang "
+                          f"{sglang_version()} has the {found} API ({SUPPORTED[found]})")

@@ -1,0 +1,103 @@
+"""The SGLang test harness (:mod:`tests.sglang_harness`) for SGLang's runner API (0.5.14+).
+
+What is real SGLang here, beyond the classic harness: ``ModelRunner._forward_raw`` of 0.5.14+ (it asks
+``decode_cuda_graph_runner.can_run_graph`` and calls ``execute``), the forward context the model reads its
+attention backend from, a real ``ServerArgs`` published to SGLang's runtime context (the runner reads the
+decode batch sizes, ``--cuda-graph-config`` and the speculation settings from there, through SGLang's own
+``get_batch_sizes_to_capture``). What is ours: the eager runner (the oracle: attention metadata, then the
+model, with no graph), and the single-process stand-ins for the TP group and pipeline stage.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
+
+H.require_api("runner")
+
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
+from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+
+def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_backend: str = "full",
+            adaptive: bool = False) -> ServerArgs:
+    """Publish a real ``ServerArgs`` for the stand-in server (unresolved: no model is loaded)."""
+    spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=topk,
+                speculative_num_steps=cfg.draft_tokens - 1 if topk == 1 else 3,
+                speculative_num_draft_tokens=cfg.draft_tokens, speculative_adaptive=adaptive) if speculative else {}
+    args = ServerArgs(model_path="dummy", device="cpu", **spec)
+    config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
+                             prefill=PhaseConfig(backend="disabled"))
+    context = runtime_context.get_context()
+    if hasattr(context, "set_server_args"):  # 0.5.2x: settings live in the runtime context's config bags
+        context.set_server_args(args)
+        context.override("graphpool-test", cuda_graph_config=config)
+    else:  # 0.5.14: settings live on the (global) ServerArgs
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        args.cuda_graph_config = config
+        set_global_server_args_for_scheduler(args)
+        if "override" not in _SINGLE_PROCESS:  # its parallel context asks torch.distributed's groups
+            override = runtime_context.get_parallel().override(
+                world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
+                attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
+            override.__enter__()
+            _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
+    return args
+
+
+_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14's parallel context, held at one process for the test session
+
+
+class EagerSteps:
+    """The eager path ``_forward_raw`` takes when no graph serves a step (the oracle): attention metadata
+    for the batch, then the model, under the forward context ``_forward_raw`` opened."""
+
+    def __init__(self, model_runner: Any):
+        self.model_runner = model_runner
+
+    def execute(self, forward_batch: ForwardBatch, pp_proxy_tensors: Any = None, **kwargs: Any) -> LogitsProcessorOutput:
+        mr = self.model_runner
+        mr.attn_backend.init_forward_metadata(forward_batch)
+        return mr.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+
+class RunnerApiModelRunner(H.HarnessModelRunner):
+    """The classic harness runner with 0.5.14+'s surfaces: ``decode_cuda_graph_runner``, an eager runner,
+    a real published ``ServerArgs``, and SGLang's own ``_forward_raw``."""
+
+    _forward_raw = ModelRunner._forward_raw
+
+    def __init__(self, cfg: H.HarnessConfig, device: torch.device, speculative: bool, model_seed: int = 0,
+                 topk: int = 1, server_args: Optional[ServerArgs] = None):
+        super().__init__(cfg, device, speculative, model_seed)
+        self.server_args = server_args or publish(cfg, speculative=speculative, topk=topk)
+        self.server_args.speculative_eagle_topk = topk
+        self.eager_runner = EagerSteps(self)
+        self.decode_cuda_graph_runner = None
+        self.prefill_cuda_graph_runner = None
+        self.lora_manager = None
+        self.pp_group = SimpleNamespace(is_last_rank=True)
+        self.model.shared_experts_config = None  # read by _forward_raw's model-context override
+
+    def _prepare_eager_forward_batch(self, forward_batch: ForwardBatch) -> None:
+        """SGLang pads eager batches for DP / attention-TP gathers here: none in a single-process server."""
+
+    def _maybe_execute_deferred_mamba_cow_and_clear(self, forward_batch: ForwardBatch) -> None:
+        """No mamba state in the harness model."""
+
+    @property
+    def graph_runner(self) -> Any:
+        """The classic name, so the shared step helpers read the runner under either API."""
+        return self.decode_cuda_graph_runner
+
+    @graph_runner.setter
+    def graph_runner(self, runner: Any) -> None:
+        self.decode_cuda_graph_runner = runner

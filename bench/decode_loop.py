@@ -13,6 +13,13 @@ twin (no CUDA graphs), in well under a minute: the numbers then show the loop wo
 
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
+    python bench/decode_loop.py --attention torch --identity-check   # the torch attention; fp32 check after
+
+Attention: FlashInfer (``--attention flashinfer``, the default where it is installed, on CUDA in bf16/fp16)
+or the engine's torch gather + SDPA (``torch``, the CPU path); ``flashinfer-reference`` runs FlashInfer's
+in-graph metadata with the attention math in torch (CPU, float32 checks). ``--kernels`` picks the fused
+Triton norms/rotary/SwiGLU (default on CUDA) or plain torch; ``--run-ahead`` how many verify steps the host
+may queue before reading their accept lengths. The last lines are issue 11's acceptance checks (PASS/FAIL).
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
@@ -62,10 +69,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
-from bench.engine.costs import roofline_table, total_params  # noqa: E402
+from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
+from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
+from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
-from bench.decode_report import LABELS, check_targets, plot, table  # noqa: E402
+from bench.engine.model import KERNELS  # noqa: E402
+from bench.decode_report import LABELS, acceptance, acceptance_lines, check_targets, plot, table  # noqa: E402
 from graphpool import SpeculationPolicy  # noqa: E402
 
 log = logging.getLogger("decode_loop")
@@ -120,6 +130,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--draft-noise", type=float, default=None, help="default: the size's preset")
     p.add_argument("--backend", default="auto", help="graphpool backend: auto, cuda or eager")
+    p.add_argument("--attention", default="auto", choices=["auto", *ATTENTION],
+                   help="auto: flashinfer on CUDA in bf16/fp16 where installed, else torch")
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="fused Triton norms/rotary/SwiGLU (auto: on CUDA) or plain torch")
+    p.add_argument("--run-ahead", type=int, default=1,
+                   help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
+    p.add_argument("--identity-check", action="store_true",
+                   help="after the sweep, check in float32 that spec and dynamic outputs equal plain decoding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/decode_loop", help="output prefix (.json and .png)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -157,8 +175,8 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
     gc.collect()
     gc.disable()  # a collection inside a timed window is noise of the size the targets care about
     try:
-        st = DecodeLoop(engine, pool, variant, policy).run(reqs, c, warmup_steps=args.warmup_steps,
-                                                           max_steps=args.steps, min_seconds=args.min_seconds)
+        st = DecodeLoop(engine, pool, variant, policy, run_ahead=args.run_ahead).run(
+            reqs, c, warmup_steps=args.warmup_steps, max_steps=args.steps, min_seconds=args.min_seconds)
     finally:
         gc.enable()
     return {"variant": variant, "concurrency": c, "tokens": st.tokens, "seconds": st.seconds,
@@ -224,10 +242,16 @@ def main(argv: list[str] | None = None) -> int:
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
-                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True)
-    print(f"built engine and captured {len(pool.keys.keys)} graphs in {time.perf_counter() - t0:.1f} s "
-          f"({pool.stats.backend} backend)", flush=True)
-    roofline = roofline_table(cfg, spec, args.concurrency, key_len(engine.max_context, 1))
+                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True,
+                         attention=args.attention, kernels=args.kernels)
+    kernels = "fused" if engine.target.fused else "torch"
+    print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
+          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, run-ahead "
+          f"{args.run_ahead})", flush=True)
+    keys = key_len(engine.max_context, 1)
+    roofline = roofline_table(cfg, spec, args.concurrency, keys)
+    roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
+                   for c in args.concurrency}
     print(roofline, flush=True)
     results: dict = {}
     first = [v for v in args.variants if not v.startswith("dynamic")]
@@ -260,21 +284,40 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
             "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines(),
-            "crossover": crossover(results, args.concurrency), "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
-                                                    "graph_mib": pool.stats.graph_bytes / 2**20},
+            "crossover": crossover(results, args.concurrency),
+            "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
+                            "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
+            "attention": engine.attention, "kernels": kernels,
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks}, indent=1,
-                                                   default=str))
+    identity = None
+    if args.identity_check:
+        attention = "torch" if engine.attention == "torch" else "flashinfer-reference"
+        del engine, pool  # the check builds its own float32 engine
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        print(f"float32 greedy identity check ({attention} attention) ...", flush=True)
+        identity = greedy_identity(cfg, spec, attention, args.device, args.kernels, prompt_len=args.prompt_len,
+                                   run_ahead=args.run_ahead, seed=args.seed)
+        print(f"identity: {identity}", flush=True)
+    passed = acceptance(results, args.concurrency, checks, roofline_ms, identity)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks,
+                                                    "identity": identity, "acceptance": passed}, indent=1, default=str))
     png = plot(results, args.concurrency, out.with_suffix(".png"), title=f"{args.size} model, {args.dtype}, {meta['device']}")
     print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
-    print(pool.stats.table())
+    print(meta["graph_table"])
     note = ""
     if threshold is not None:
         seen = (f"spec beat plain up to C = {meta['crossover']}" if meta["crossover"] else "spec never beat plain")
         chosen = (f"dynamic speculated at batch size <= {threshold} (back on at <= {resume})" if threshold
                   else "dynamic decoded plainly at every batch size")
         note = f"crossover: {seen}; {chosen}"
+    if identity is not None and not gpu:
+        print(acceptance_lines(passed[-1:]))
     print(table(results, args.concurrency, checks, gpu, note))
+    if gpu:
+        print(f"acceptance (issue 11), {meta['attention']} attention, {kernels} kernels:")
+        print(acceptance_lines(passed))
     return 0
 
 

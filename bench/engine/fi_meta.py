@@ -56,9 +56,9 @@ if triton is not None:
             if r == 0:
                 tl.store(indptr_ptr, 0)
             j = tl.arange(0, T_BLOCK)
-            new = j < tokens
-            slots = tl.load(table_ptr + row * table_width + kv_len - tokens + j, mask=new, other=0)
-            tl.store(write_ptr + r * tokens + j, slots, mask=new)
+            is_new = j < tokens
+            new_slots = tl.load(table_ptr + row * table_width + kv_len - tokens + j, mask=is_new, other=0)
+            tl.store(write_ptr + r * tokens + j, new_slots, mask=is_new)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         inside = cols < kv_len
         slots = tl.load(table_ptr + row * table_width + cols, mask=inside, other=0)

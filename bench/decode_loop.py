@@ -30,25 +30,19 @@ tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLO
     32            111  3.56         0.83                                                   2032  5.46   2.70
    128            446  3.86         0.90                                                   8128  5.94  10.29
 
-Plain decode stays weights-bound through C = 128; verify turns compute-bound near C = 12. Roofline is
-not the whole story: the first H200 run (``small`` model, hidden 2048) paid ~2.8 us per graph node,
-~1.4 ms per plain step (~490 nodes: plain 1.6 ms at C = 1 against a 0.17 ms roofline) and ~3.3 ms of
-fixed cost per speculative step (~930 nodes and the host sync that reads the accept lengths), which
-hid that model's compute, so speculation won at every C. Those overheads plus practical efficiencies
-(80 % of bandwidth, 65 % of peak, fp32 norm and rotary traffic, the three-fold KV gather) on top of
-the medium model's roofline give
-
-     C            1     8    16    32    64   128
-    t_plain ms  2.4   2.4   2.5   2.5   2.7   3.0
-    t_spec ms   4.9   5.2   6.2   8.4  13.3  23.3
-    break-even  2.0   2.1   2.5   3.3   5.0   7.9   tokens a verify step must commit per sequence
-
-so a draft committing ~2.6 wins ~1.25 x at C <= 8, breaks even near C = 16 and loses 1.25 x at C = 32
-and 3 x at C = 128, as speculation does on a real server. The engine keeps its kernel count on
-purpose: dyn-eager's plain steps cost ~12 us of host time per op (~440 ops, ~5.5 ms a step against
-~2.5-3 ms from a graph), and fewer ops would narrow the gap that graphs exist to close. Outputs of
-96-112 tokens outlast a plain run's window (83 steps), so plain and eager-plain windows hold decode
-steps only, not the prefills of new arrivals (a batch-1 prefill costs about one decode step here).
+Plain decode stays weights-bound through C = 128; verify turns compute-bound near C = 12. The first
+H200 runs were far off this roofline: ~55 tiny kernels per layer (norm casts and reductions, rotary
+slices, the attention's gather to the padded key length) cost ~1-2 us each even inside a graph, so a
+plain step took 1.65 ms (2.1x) and a speculative one 4.2 ms (3.4x), plus a host sync per verify step;
+speculation then barely won at C = 1. Issue 11 goes after those causes: fused Triton kernels for the norms,
+rotary and SwiGLU (:mod:`bench.engine.fused`), FlashInfer attention planned once with its metadata built
+in the graph (:mod:`bench.engine.fi_attention`), fewer ops in the tree acceptance, and a loop that queues
+the next verify step before reading the last one's accept lengths (``--run-ahead``). ``bench/profile_step.py``
+shows where a step's time goes. Eager plain steps (dyn-eager) still launch every op from Python (~100
+ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among the slowest), which is
+what graphs exist to remove. Outputs of 96-112 tokens outlast a plain run's window (83 steps), so plain
+and eager-plain windows hold decode steps only, not the prefills of new arrivals (a batch-1 prefill costs
+about one decode step here).
 """
 from __future__ import annotations
 

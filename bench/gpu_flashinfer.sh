@@ -53,7 +53,6 @@ from bench.engine.config import ModelConfig, SpecConfig
 build(ModelConfig.tiny(), SpecConfig(), [1], 32, 16, "cuda", torch.bfloat16, attention="flashinfer")
 print(f"graphpool checker + engine Triton kernels warm-up: {time.perf_counter() - t:.1f} s (excluded too)")
 EOF
-grep -E "JIT compile|warm-up:" "$LOG" | tail -2
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
 stage "profile (C = 1)" 100 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
@@ -71,10 +70,10 @@ done
 
 say ""
 say "================================ summary ================================"
-grep -E "JIT compile|warm-up:" "$LOG" | tee -a "$LOG.summary"
+grep -E "^FlashInfer JIT compile|^graphpool checker" "$LOG" | tee -a "$LOG.summary"
 sed -n '/^per step at C = 1/,/^== /p' "$LOG" | grep -v "^== " | tee -a "$LOG.summary"
 echo "-- gpu tests" | tee -a "$LOG.summary"
-grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$LOG" | tail -12 | tee -a "$LOG.summary"
+grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed|skipped|errors?|deselected)" "$LOG" | tail -12 | tee -a "$LOG.summary"
 for att in flashinfer torch; do
   echo "-- decode_loop --attention $att" | tee -a "$LOG.summary"
   awk -v a="$att" '$0 ~ "== decode_loop --attention "a"$" {on=1} on' "$LOG" \

@@ -53,6 +53,13 @@ def test_rope_qk_matches_torch(dtype):
     assert q.shape == (n, heads, dim) and k.shape == (n, kvh, dim) and q.is_contiguous()
     torch.testing.assert_close(q, q0, **_tol(dtype))
     torch.testing.assert_close(k, k0, **_tol(dtype))
+    # A draft level's nodes share a position: positions may be a broadcast (stride 0) view.
+    shared = torch.tensor([37], device=DEVICE).expand(2, 3).reshape(-1)
+    assert shared.stride(0) == 0
+    q, k = fused.rope_qk(qkv, shared, model.rope_cos, model.rope_sin, heads, kvh, dim, fused=True)
+    q0, k0 = fused.rope_qk(qkv, shared.contiguous(), model.rope_cos, model.rope_sin, heads, kvh, dim, fused=False)
+    torch.testing.assert_close(q, q0, **_tol(dtype))
+    torch.testing.assert_close(k, k0, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -164,7 +164,7 @@ class Engine:
         pos = start[:, None] + c.window_cols
         self.draft_attn.meta = self.layouts.causal(rows, start, w)
         hidden = self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.draft_attn)
-        logp = self.draft.logits(hidden.view(bs, w, -1)[:, -1]).log_softmax(-1)
+        logp = self.draft.log_probs(hidden.view(bs, w, -1)[:, -1])
         top = logp.topk(k, dim=-1)
         cand_tok, cand_score = [top.indices], [top.values - DEPTH_PENALTY]
         cand_par = [c.root_parents.expand(bs, k)]
@@ -179,7 +179,7 @@ class Engine:
             self.draft_attn.meta = self.layouts.tree(rows, n, beam_anc[:, :, :(d - 1) * k])
             positions = (n + (d - 2))[:, None].expand(bs, k).reshape(-1)
             hidden = self.draft(beam_tok.reshape(-1), positions, self.draft_attn)
-            top = self.draft.logits(hidden).log_softmax(-1).topk(k, dim=-1)
+            top = self.draft.log_probs(hidden).topk(k, dim=-1)
             score = (beam_score[..., None] + top.values.view(bs, k, k) - DEPTH_PENALTY).reshape(bs, k * k)
             toks = top.indices.view(bs, k * k)
             cand_tok.append(toks), cand_score.append(score)

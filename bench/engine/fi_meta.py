@@ -83,6 +83,13 @@ if triton is not None:
         tl.store(out_ptr + r * region + offs, packed.to(tl.uint8), mask=offs < region)
 
 
+def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
+    """The kernels index per-sequence inputs as contiguous int64 vectors."""
+    if t.shape != (n,) or (n > 1 and t.stride(0) != 1) or t.dtype != torch.int64:
+        raise ValueError(f"{name} must be a contiguous int64 [{n}] tensor, got {t.dtype} shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
     """The Triton kernel on CUDA (or wherever ``use_triton`` says: tests run it in the interpreter)."""
     return triton is not None and t.is_cuda if use_triton is None else use_triton
@@ -107,6 +114,8 @@ def build_kv_indices(table: torch.Tensor, rows: torch.Tensor, base: torch.Tensor
         use_triton: force the kernel (``True``) or the torch code (``False``); default: the kernel on CUDA.
     """
     n = rows.shape[0]
+    _check_vector("rows", rows, n)
+    _check_vector("base", base, n)
     if indptr.shape[0] != n + 1 or write_slots.shape[0] != n * tokens:
         raise ValueError(f"metadata buffers sized for another batch: indptr {tuple(indptr.shape)}, write_slots "
                          f"{tuple(write_slots.shape)} for {n} sequences x {tokens} tokens")
@@ -154,6 +163,7 @@ def pack_mask(prefix: torch.Tensor, extra_mask: torch.Tensor, out: torch.Tensor,
         use_triton: as in :func:`build_kv_indices`.
     """
     n, t, e = extra_mask.shape
+    _check_vector("prefix", prefix, n)
     if extra_mask.stride(2) != 1:
         raise ValueError(f"extra_mask must be contiguous in its last dimension, got strides {extra_mask.stride()}")
     if out.shape[0] < n * region:

@@ -60,10 +60,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv,
+    def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_pos,
                         NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
         j = tl.arange(0, HALF)
         c = tl.load(cos_ptr + pos * HALF + j)[None, :]
         s = tl.load(sin_ptr + pos * HALF + j)[None, :]
@@ -154,6 +154,8 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         ``q [N, H, D]`` and ``k [N, KVH, D]`` (contiguous, in qkv's dtype).
     """
     n = qkv.shape[0]
+    if positions.dim() != 1 or positions.shape[0] != n:
+        raise ValueError(f"positions must be [{n}] (one per qkv row), got {tuple(positions.shape)}")
     if not fused:
         q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
         c, s = cos[positions], sin[positions]
@@ -166,7 +168,9 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"the fused rotary kernel needs head_dim / 2 to be a power of two, got head_dim {head_dim}")
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_qk_kernel[(n,)](qkv, positions, cos, sin, q, k, qkv.stride(0), NUM_Q=num_heads, NUM_K=num_kv_heads,
+    # positions may be a broadcast view (stride 0: a draft level's k nodes share one position)
+    _rope_qk_kernel[(n,)](qkv, positions, cos, sin, q, k, qkv.stride(0), positions.stride(0), NUM_Q=num_heads,
+                          NUM_K=num_kv_heads,
                           HALF=half, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), num_warps=4)
     return q, k
 
@@ -194,6 +198,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
         v_cache.index_copy_(0, slots, v)
         return
     n, kvh, dim = k.shape
+    if slots.dim() != 1 or slots.shape[0] != n or (n > 1 and slots.stride(0) != 1):
+        raise ValueError(f"slots must be a contiguous [{n}] tensor, got shape {tuple(slots.shape)} strides {slots.stride()}")
     for name, t in (("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != dim:
             raise ValueError(f"{name} must have contiguous heads [N, KVH, D] (row stride free), got strides {t.stride()}")

@@ -87,6 +87,8 @@ class FlashInferLayouts:
         num_heads, num_kv_heads, head_dim: the attention shape.
         dtype: q and KV dtype (bf16 or fp16 for ``kernel="flashinfer"``).
         kernel: ``"flashinfer"`` or ``"reference"`` (torch math on the same metadata).
+        triton: build the metadata and store the KV with the Triton kernels (default: on CUDA); tests
+            force them on CPU, where they run in Triton's interpreter.
 
     The engine calls :meth:`causal` or :meth:`tree` once per model forward (inside the graph: they only
     launch the metadata builders) and hands the returned :class:`Plan` to the attention callables of
@@ -95,7 +97,7 @@ class FlashInferLayouts:
     """
 
     def __init__(self, req_to_token: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, kernel: str = "flashinfer"):
+                 dtype: torch.dtype, kernel: str = "flashinfer", triton: bool | None = None):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if kernel == "flashinfer":
@@ -112,6 +114,7 @@ class FlashInferLayouts:
         self.dtype, self.kernel = dtype, kernel
         self.kv_max = -(-req_to_token.shape[1] // 8) * 8  # every kv_len fits; the mask region packs whole bytes
         self.device = req_to_token.device
+        self.triton = _have_triton() and self.device.type == "cuda" if triton is None else triton
         self.plans: dict[tuple[int, int, str], Plan] = {}
 
     # ------------------------------------------------------------------------------ step metadata
@@ -119,7 +122,8 @@ class FlashInferLayouts:
         """``tokens`` new tokens per sequence at columns ``start .. start + tokens - 1``, each attending
         every column up to its own (prefill, the draft's first pass, plain decode with ``tokens == 1``)."""
         plan = self._plan(rows.shape[0], tokens, "decode" if tokens == 1 else "causal")
-        build_kv_indices(self.table, rows, start, tokens, tokens, plan.kv_indptr, plan.kv_indices, plan.write_slots)
+        build_kv_indices(self.table, rows, start, tokens, tokens, plan.kv_indptr, plan.kv_indices, plan.write_slots,
+                         self.triton)
         return plan
 
     def tree(self, rows: torch.Tensor, prefix_len: torch.Tensor, extra_mask: torch.Tensor) -> Plan:
@@ -129,8 +133,8 @@ class FlashInferLayouts:
         bs, tokens, extra = extra_mask.shape
         plan = self._plan(bs, tokens, "tree")
         build_kv_indices(self.table, rows, prefix_len, extra, tokens, plan.kv_indptr, plan.kv_indices,
-                         plan.write_slots)
-        pack_mask(prefix_len, extra_mask, plan.mask, plan.region)
+                         plan.write_slots, self.triton)
+        pack_mask(prefix_len, extra_mask, plan.mask, plan.region, self.triton)
         return plan
 
     def attention(self, cache: KVCache) -> "FlashInferAttention":
@@ -205,14 +209,13 @@ class FlashInferAttention:
     def __init__(self, cache: KVCache, layouts: FlashInferLayouts):
         self.cache, self.layouts = cache, layouts
         self.meta: Plan | None = None
-        self._fused_store = cache.k[0].is_cuda and _have_triton()
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.meta
         if plan is None:
             raise RuntimeError("FlashInferAttention.meta is unset: build the step's Plan before the forward")
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
-        store_kv(k, v, plan.write_slots, k_cache, v_cache, self._fused_store)
+        store_kv(k, v, plan.write_slots, k_cache, v_cache, self.layouts.triton)
         return self.layouts.run(plan, q, k_cache, v_cache)
 
 

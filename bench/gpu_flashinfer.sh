@@ -50,7 +50,9 @@ t = time.perf_counter()
 from graphpool.native import make_input_checker  # noqa: F401  (builds the C++ checker once per machine)
 from bench.engine.harness import build
 from bench.engine.config import ModelConfig, SpecConfig
-build(ModelConfig.tiny(), SpecConfig(), [1], 32, 16, "cuda", torch.bfloat16, attention="flashinfer")
+from dataclasses import replace
+cfg = replace(ModelConfig.tiny(), num_heads=32, num_kv_heads=4, head_dim=128)  # FlashInfer's module is per head_dim
+build(cfg, SpecConfig(), [1], 32, 16, "cuda", torch.bfloat16, attention="flashinfer")
 print(f"graphpool checker + engine Triton kernels warm-up: {time.perf_counter() - t:.1f} s (excluded too)")
 EOF
 

@@ -105,11 +105,13 @@ def test_flashinfer_decode_loop_runs_on_graphs_bf16_gpu():
     from bench.engine.fi_attention import flashinfer_available
     if not flashinfer_available():
         pytest.skip("needs flashinfer")
+    from dataclasses import replace
+    cfg = replace(CFG, num_heads=32, num_kv_heads=4, head_dim=128)  # the benchmark's attention shape
     spec = SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
-    reqs = make_requests(7, PROMPT, CFG.vocab_size, 8, 24, seed=3)
+    reqs = make_requests(7, PROMPT, cfg.vocab_size, 8, 24, seed=3)
     outs = {}
     for attention in ("flashinfer", "torch"):
-        engine, pool = build(CFG, spec, [1, 2, 4], PROMPT, 24, device="cuda", dtype=torch.bfloat16,
+        engine, pool = build(cfg, spec, [1, 2, 4], PROMPT, 24, device="cuda", dtype=torch.bfloat16,
                              attention=attention)
         assert engine.attention == attention
         plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)

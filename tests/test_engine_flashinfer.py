@@ -187,7 +187,9 @@ def test_flashinfer_kernel_refuses_cpu_and_float32():
         FlashInferLayouts(s.table, s.heads, s.kvh, s.dim, torch.bfloat16, kernel="flashinfer")
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="bf16 or fp16"):
-            FlashInferLayouts(s.table.cuda(), s.heads, s.kvh, s.dim, torch.float32, kernel="flashinfer")
+            FlashInferLayouts(s.table.cuda(), s.heads, s.kvh, 128, torch.float32, kernel="flashinfer")
+        with pytest.raises(ValueError, match="head_dim in"):
+            FlashInferLayouts(s.table.cuda(), s.heads, s.kvh, 16, torch.bfloat16, kernel="flashinfer")
     with pytest.raises(ValueError, match="kernel must be one of"):
         FlashInferLayouts(s.table, s.heads, s.kvh, s.dim, s.dtype, kernel="cuda")
 

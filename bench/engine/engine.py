@@ -21,7 +21,7 @@ from graphpool import GraphPool, Mode, StepBatch, StepInput
 
 from .attention import TorchLayouts
 from .config import ModelConfig, SpecConfig
-from .fi_attention import FlashInferLayouts, flashinfer_available
+from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import build_draft, build_target
 from .tree import DEPTH_PENALTY, greedy_accept, select_tree
@@ -74,7 +74,7 @@ class Engine:
         kv = (num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         target_cache, draft_cache = KVCache(cfg.num_layers, *kv), KVCache(spec.draft_layers, *kv)
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self.attention = resolve_attention(attention, self.device, dtype)
+        self.attention = resolve_attention(attention, self.device, dtype, cfg.head_dim)
         # The catch-up after plain steps has a different token count every time: it runs eagerly with
         # the torch attention on the same draft cache, whichever backend the steps use.
         self.torch_layouts = TorchLayouts(self.req_to_token, self.group)
@@ -227,11 +227,12 @@ class _StepConstants:
                                        device=device)
 
 
-def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> str:
     """The attention backend for ``attention`` (one of :data:`ATTENTION` or ``"auto"``): ``"auto"`` picks
-    FlashInfer on CUDA in bf16/fp16 where it is installed, else torch."""
+    FlashInfer on CUDA in bf16/fp16 for the head sizes it is built for, where it is installed, else torch."""
     if attention == "auto":
-        ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flashinfer_available()
+        ok = (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in HEAD_DIMS
+              and flashinfer_available())
         return "flashinfer" if ok else "torch"
     if attention not in ATTENTION:
         raise ValueError(f"attention must be 'auto' or one of {ATTENTION}, got {attention!r}")

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 FLOAT_WORKSPACE_BYTES = 16 << 20  # split-KV is off, so FlashInfer keeps no partial results here
 INT_WORKSPACE_BYTES = 1 << 20     # the plan's work list: a few int32 per CTA
 KERNELS = ("flashinfer", "reference")
+HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's fa2 kernels are built for
 
 
 def flashinfer_available() -> bool:
@@ -104,6 +105,9 @@ class FlashInferLayouts:
             if req_to_token.device.type != "cuda":
                 raise ValueError("FlashInfer attention needs a CUDA device; use attention='torch' or the "
                                  "'flashinfer-reference' kernel on CPU")
+            if head_dim not in HEAD_DIMS:
+                raise ValueError(f"FlashInfer's kernels take head_dim in {HEAD_DIMS}, the model has {head_dim}: use "
+                                 f"attention='torch' (or 'flashinfer-reference')")
             if dtype not in (torch.bfloat16, torch.float16):
                 raise ValueError(f"FlashInfer's kernels take bf16 or fp16, the engine runs {dtype}: use "
                                  f"attention='torch' (or 'flashinfer-reference') for {dtype}")

@@ -111,7 +111,9 @@ class FlashInferLayouts:
             if dtype not in (torch.bfloat16, torch.float16):
                 raise ValueError(f"FlashInfer's kernels take bf16 or fp16, the engine runs {dtype}: use "
                                  f"attention='torch' (or 'flashinfer-reference') for {dtype}")
-            import flashinfer  # noqa: F401  (fails here, with its own message, if it is not installed)
+            if not flashinfer_available():
+                raise RuntimeError("attention='flashinfer' needs the flashinfer-python package (0.6.11.post1 was "
+                                   "tested; it needs apache-tvm-ffi): install it, or use attention='torch'")
             self._workspace = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=req_to_token.device)
         self.table = req_to_token
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

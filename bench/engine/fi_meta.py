@@ -40,7 +40,9 @@ MASK_BLOCK = 64  # bytes per program (x 8 bits each)
 
 # ------------------------------------------------------------------------------------------- kernels
 if triton is not None:
-    @triton.jit
+    # Batch sizes, offsets and token counts vary from call site to call site: one compiled variant for all
+    # (Triton would otherwise compile one per value class: 1, a multiple of 16, anything else).
+    @triton.jit(do_not_specialize=["table_width", "n_seqs", "offset", "tokens"])
     def _kv_indices_kernel(table_ptr, rows_ptr, base_ptr, indptr_ptr, indices_ptr, write_ptr, table_width,
                            n_seqs, offset, tokens, R_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
                            BLOCK: tl.constexpr):
@@ -64,7 +66,7 @@ if triton is not None:
         slots = tl.load(table_ptr + row * table_width + cols, mask=inside, other=0)
         tl.store(indices_ptr + start + cols, slots.to(tl.int32), mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_mr", "stride_mt", "n_extra", "region", "tokens"])
     def _pack_mask_kernel(prefix_ptr, mask_ptr, out_ptr, stride_mr, stride_mt, n_extra, region, tokens,
                           BLOCK: tl.constexpr):
         r = tl.program_id(0)

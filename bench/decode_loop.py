@@ -14,6 +14,13 @@ twin (no CUDA graphs), in well under a minute: the numbers then show the loop wo
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
     python bench/decode_loop.py --tp 2     # tensor parallel over 2 ranks (GPUs, or gloo on CPU); rank 0 prints
+    python bench/decode_loop.py --attention torch --identity-check   # the torch attention; fp32 check after
+
+Attention: FlashInfer (``--attention flashinfer``, the default where it is installed, on CUDA in bf16/fp16)
+or the engine's torch gather + SDPA (``torch``, the CPU path); ``flashinfer-reference`` runs FlashInfer's
+in-graph metadata with the attention math in torch (CPU, float32 checks). ``--kernels`` picks the fused
+Triton norms/rotary/SwiGLU (default on CUDA) or plain torch; ``--run-ahead`` how many verify steps the host
+may queue before reading their accept lengths. The last lines are issue 11's acceptance checks (PASS/FAIL).
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
@@ -24,25 +31,19 @@ tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLO
     32            111  3.56         0.83                                                   2032  5.46   2.70
    128            446  3.86         0.90                                                   8128  5.94  10.29
 
-Plain decode stays weights-bound through C = 128; verify turns compute-bound near C = 12. Roofline is
-not the whole story: the first H200 run (``small`` model, hidden 2048) paid ~2.8 us per graph node,
-~1.4 ms per plain step (~490 nodes: plain 1.6 ms at C = 1 against a 0.17 ms roofline) and ~3.3 ms of
-fixed cost per speculative step (~930 nodes and the host sync that reads the accept lengths), which
-hid that model's compute, so speculation won at every C. Those overheads plus practical efficiencies
-(80 % of bandwidth, 65 % of peak, fp32 norm and rotary traffic, the three-fold KV gather) on top of
-the medium model's roofline give
-
-     C            1     8    16    32    64   128
-    t_plain ms  2.4   2.4   2.5   2.5   2.7   3.0
-    t_spec ms   4.9   5.2   6.2   8.4  13.3  23.3
-    break-even  2.0   2.1   2.5   3.3   5.0   7.9   tokens a verify step must commit per sequence
-
-so a draft committing ~2.6 wins ~1.25 x at C <= 8, breaks even near C = 16 and loses 1.25 x at C = 32
-and 3 x at C = 128, as speculation does on a real server. The engine keeps its kernel count on
-purpose: dyn-eager's plain steps cost ~12 us of host time per op (~440 ops, ~5.5 ms a step against
-~2.5-3 ms from a graph), and fewer ops would narrow the gap that graphs exist to close. Outputs of
-96-112 tokens outlast a plain run's window (83 steps), so plain and eager-plain windows hold decode
-steps only, not the prefills of new arrivals (a batch-1 prefill costs about one decode step here).
+Plain decode stays weights-bound through C = 128; verify turns compute-bound near C = 12. The first
+H200 runs were far off this roofline: ~55 tiny kernels per layer (norm casts and reductions, rotary
+slices, the attention's gather to the padded key length) cost ~1-2 us each even inside a graph, so a
+plain step took 1.65 ms (2.1x) and a speculative one 4.2 ms (3.4x), plus a host sync per verify step;
+speculation then barely won at C = 1. Issue 11 goes after those causes: fused Triton kernels for the norms,
+rotary and SwiGLU (:mod:`bench.engine.fused`), FlashInfer attention planned once with its metadata built
+in the graph (:mod:`bench.engine.fi_attention`), fewer ops in the tree acceptance, and a loop that queues
+the next verify step before reading the last one's accept lengths (``--run-ahead``). ``bench/profile_step.py``
+shows where a step's time goes. Eager plain steps (dyn-eager) still launch every op from Python (~100
+ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among the slowest), which is
+what graphs exist to remove. Outputs of 96-112 tokens outlast a plain run's window (83 steps), so plain
+and eager-plain windows hold decode steps only, not the prefills of new arrivals (a batch-1 prefill costs
+about one decode step here).
 """
 from __future__ import annotations
 
@@ -63,11 +64,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
-from bench.engine.costs import roofline_table, total_params  # noqa: E402
+from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
+from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
+from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
+from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
-from bench.decode_report import LABELS, check_targets, plot, table  # noqa: E402
+from bench.decode_report import LABELS, acceptance, acceptance_lines, check_targets, plot, table  # noqa: E402
 from graphpool import SpeculationPolicy  # noqa: E402
 
 log = logging.getLogger("decode_loop")
@@ -122,6 +126,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--draft-noise", type=float, default=None, help="default: the size's preset")
     p.add_argument("--backend", default="auto", help="graphpool backend: auto, cuda or eager")
+    p.add_argument("--attention", default="auto", choices=["auto", *ATTENTION],
+                   help="auto: flashinfer on CUDA in bf16/fp16 where installed, else torch")
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="fused Triton norms/rotary/SwiGLU (auto: on CUDA) or plain torch")
+    p.add_argument("--run-ahead", type=int, default=1,
+                   help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
+    p.add_argument("--identity-check", action="store_true",
+                   help="after the sweep, check in float32 that spec and dynamic outputs equal plain decoding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/decode_loop", help="output prefix (.json and .png)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -160,8 +172,8 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
     gc.collect()
     gc.disable()  # a collection inside a timed window is noise of the size the targets care about
     try:
-        st = DecodeLoop(engine, pool, variant, policy).run(reqs, c, warmup_steps=args.warmup_steps,
-                                                           max_steps=args.steps, min_seconds=args.min_seconds)
+        st = DecodeLoop(engine, pool, variant, policy, run_ahead=args.run_ahead).run(
+            reqs, c, warmup_steps=args.warmup_steps, max_steps=args.steps, min_seconds=args.min_seconds)
     finally:
         gc.enable()
     return {"variant": variant, "concurrency": c, "tokens": st.tokens, "seconds": st.seconds,
@@ -241,10 +253,16 @@ def run(tp, args: argparse.Namespace) -> int:
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
-                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp)
+                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
+                         attention=args.attention, kernels=args.kernels)
+    kernels = "fused" if engine.target.fused else "torch"
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
-          f"({pool.stats.backend} backend)", flush=True)
-    roofline = roofline_table(cfg, spec, args.concurrency, key_len(engine.max_context, 1))
+          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, run-ahead "
+          f"{args.run_ahead})", flush=True)
+    keys = key_len(engine.max_context, 1)
+    roofline = roofline_table(cfg, spec, args.concurrency, keys)
+    roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
+                   for c in args.concurrency}
     print(roofline, flush=True)
     results: dict = {}
     first = [v for v in args.variants if not v.startswith("dynamic")]
@@ -279,24 +297,46 @@ def run(tp, args: argparse.Namespace) -> int:
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
             "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines(),
-            "crossover": crossover(results, args.concurrency), "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
-                                                    "graph_mib": pool.stats.graph_bytes / 2**20},
+            "crossover": crossover(results, args.concurrency),
+            "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
+                            "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
+            "attention": engine.attention, "kernels": kernels,
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
+    identity = None
+    if args.identity_check:
+        if tp is not None:
+            raise SystemExit("--identity-check runs a single-process float32 engine; run it without --tp")
+        attention = "torch" if engine.attention == "torch" else "flashinfer-reference"
+        del engine, pool  # the check builds its own float32 engine
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        print(f"float32 greedy identity check ({attention} attention) ...", flush=True)
+        identity = greedy_identity(cfg, spec, attention, args.device, args.kernels, prompt_len=args.prompt_len,
+                                   run_ahead=args.run_ahead, seed=args.seed)
+        print(f"identity: {identity}", flush=True)
+    passed = acceptance(results, args.concurrency, checks, roofline_ms, identity)
     if tp is None or tp.rank == 0:
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks}, indent=1,
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks,
+                                                        "identity": identity, "acceptance": passed}, indent=1,
                                                        default=str))
         png = plot(results, args.concurrency, out.with_suffix(".png"),
                    title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""))
         print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
-    print(pool.stats.table())
+    print(meta["graph_table"])
     note = ""
     if threshold is not None:
         seen = (f"spec beat plain up to C = {meta['crossover']}" if meta["crossover"] else "spec never beat plain")
         chosen = (f"dynamic speculated at batch size <= {threshold} (back on at <= {resume})" if threshold
                   else "dynamic decoded plainly at every batch size")
         note = f"crossover: {seen}; {chosen}"
+    if identity is not None and not gpu:
+        print(acceptance_lines(passed[-1:]))
     print(table(results, args.concurrency, checks, gpu, note))
+    if gpu:
+        print(f"acceptance (issue 11), {meta['attention']} attention, {kernels} kernels:")
+        print(acceptance_lines(passed))
     return 0
 
 

@@ -87,3 +87,45 @@ def plot(results: dict, cs: list[int], path: Path, title: str = "") -> Path | No
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def acceptance(results: dict, cs: list[int], checks: list[dict], roofline_ms: dict[int, tuple[float, float]],
+               identity: dict | None = None) -> list[tuple[str, bool | None, str]]:
+    """Issue 11's acceptance checks as ``(name, ok, detail)``; ``ok`` is None where the run lacks what a
+    check needs. ``roofline_ms[c] = (plain step ms, speculative step ms)`` from :mod:`bench.engine.costs`."""
+    out: list[tuple[str, bool | None, str]] = []
+    plain1, spec1 = _tps(results, "plain", 1), _tps(results, "spec", 1)
+    if plain1 and 1 in roofline_ms:
+        step_ms, roof = 1e3 / plain1, roofline_ms[1][0]  # at C = 1 a plain step commits one token
+        out.append(("plain step at C=1 within 1.3x its roofline", step_ms <= 1.3 * roof,
+                    f"{step_ms:.3f} ms vs roofline {roof:.3f} ms: {step_ms / roof:.2f}x"))
+    else:
+        out.append(("plain step at C=1 within 1.3x its roofline", None, "needs plain at C=1"))
+    if plain1 and spec1 and 1 in roofline_ms:
+        accept = results[("spec", 1)]["mean_accept"]
+        want = 0.85 * accept * roofline_ms[1][0] / roofline_ms[1][1]
+        out.append(("spec/plain at C=1 >= 0.85 x accept x roofline ratio", spec1 / plain1 >= want,
+                    f"{spec1 / plain1:.2f}x vs {want:.2f}x (accept {accept:.2f}, roofline plain "
+                    f"{roofline_ms[1][0]:.3f} ms, spec {roofline_ms[1][1]:.3f} ms)"))
+    else:
+        out.append(("spec/plain at C=1 >= 0.85 x accept x roofline ratio", None, "needs plain and spec at C=1"))
+    best = [r for r in checks if "dyn_ok" in r]
+    out.append(("dynamic >= 0.95 x max(plain, spec) at every C", all(r["dyn_ok"] for r in best) if best else None,
+                ", ".join(f"C={r['concurrency']}: {r['dyn_over_best']:.2f}" for r in best) or "needs all three"))
+    eager = [r for r in checks if "eager_ok" in r]
+    out.append(("dynamic >= 1.5 x dyn-eager at C >= 32", all(r["eager_ok"] for r in eager) if eager else None,
+                ", ".join(f"C={r['concurrency']}: {r['dyn_over_eager']:.2f}" for r in eager) or "no C >= 32 run"))
+    misses = sum(r["misses"] for r in checks)
+    out.append(("no graph misses", misses == 0, f"{misses} misses"))
+    if identity is not None:
+        out.append(("float32 greedy output of spec and dynamic identical to plain", identity["ok"],
+                    f"{identity['attention']} attention: spec {identity['spec_identical']}/{identity['requests']}, "
+                    f"dynamic {identity['dynamic_identical']}/{identity['requests']} requests identical, "
+                    f"switched modes: {identity['switched']}, misses {identity['graph_misses']}"))
+    return out
+
+
+def acceptance_lines(checks: list[tuple[str, bool | None, str]]) -> str:
+    """One ``PASS``/``FAIL``/``N/A`` line per acceptance check."""
+    word = {True: "PASS", False: "FAIL", None: "N/A "}
+    return "\n".join(f"{word[ok]}  {name}: {detail}" for name, ok, detail in checks)

@@ -49,15 +49,15 @@ class Alternate:
         return "verify" if (self.calls // self.every) % 2 else "decode"
 
 
-def _engine(device, cfg=CFG, spec=None, tp=None):
+def _engine(device, cfg=CFG, spec=None, tp=None, attention="torch"):
     spec = spec or SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
-    return build(cfg, spec, [1, 2, 4], PROMPT, 24, device=device, dtype=torch.float32, tp=tp)
+    return build(cfg, spec, [1, 2, 4], PROMPT, 24, device=device, dtype=torch.float32, tp=tp, attention=attention)
 
 
-def _check_variants(device, cfg=CFG, spec=None, tp=None):
+def _check_variants(device, cfg=CFG, spec=None, tp=None, attention="torch"):
     """Also runs on every rank of a tensor-parallel engine (tests/test_engine_tp.py): the oracle then runs
     the rank's sharded model, whose collectives every rank joins in the same order."""
-    engine, pool = _engine(device, cfg, spec, tp)
+    engine, pool = _engine(device, cfg, spec, tp, attention)
     reqs = make_requests(7, PROMPT, cfg.vocab_size, 8, 24, seed=3)
     plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)  # 3 pads to the bs-4 graphs
     for r in reqs[:3]:
@@ -77,8 +77,11 @@ def _check_variants(device, cfg=CFG, spec=None, tp=None):
     return engine, pool
 
 
-def test_variants_match_plain_decode_and_oracle_cpu():
-    _check_variants("cpu")
+@pytest.mark.parametrize("attention", ["torch", "flashinfer-reference"])
+def test_variants_match_plain_decode_and_oracle_cpu(attention):
+    """Both attention backends' metadata paths (FlashInfer's in-graph metadata with the torch reference
+    kernel) give the oracle's greedy output, with and without speculation."""
+    _check_variants("cpu", attention=attention)
 
 
 @pytest.mark.gpu
@@ -88,11 +91,71 @@ def test_variants_match_plain_decode_and_oracle_gpu():
 
 
 @pytest.mark.gpu
-def test_variants_match_plain_decode_benchmark_model_fp32_gpu():
+@pytest.mark.parametrize("attention", ["torch", "flashinfer-reference"])
+def test_variants_match_plain_decode_benchmark_model_fp32_gpu(attention):
     """The benchmark's model (medium, 1.75 B), draft noise and tree (topk 4 x steps 4, 16 verified tokens),
-    in float32 with CUDA graphs."""
+    in float32 with CUDA graphs (fused kernels; FlashInfer's in-graph metadata with the reference kernel)."""
     from bench.decode_loop import PRESETS
-    _check_variants("cuda", ModelConfig.medium(), SpecConfig(draft_noise=PRESETS["medium"].draft_noise))
+    _check_variants("cuda", ModelConfig.medium(), SpecConfig(draft_noise=PRESETS["medium"].draft_noise),
+                    attention=attention)
+
+
+@pytest.mark.gpu
+def test_flashinfer_decode_loop_runs_on_graphs_bf16_gpu():
+    """FlashInfer's kernels in bf16 through the whole loop: every step a graph hit, the draft useful, and
+    plain decoding close to the torch attention's (bf16 near-ties may break differently)."""
+    from bench.engine.fi_attention import flashinfer_available
+    if not flashinfer_available():
+        pytest.skip("needs flashinfer")
+    from dataclasses import replace
+    cfg = replace(CFG, num_heads=32, num_kv_heads=4, head_dim=128)  # the benchmark's attention shape
+    spec = SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
+    reqs = make_requests(7, PROMPT, cfg.vocab_size, 8, 24, seed=3)
+    outs = {}
+    for attention in ("flashinfer", "torch"):
+        engine, pool = build(cfg, spec, [1, 2, 4], PROMPT, 24, device="cuda", dtype=torch.bfloat16,
+                             attention=attention)
+        assert engine.attention == attention
+        plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)
+        dyn = DecodeLoop(engine, pool, "dynamic", Alternate()).run(reqs, 2)
+        assert plain.graph_misses == dyn.graph_misses == 0
+        assert plain.tokens == dyn.tokens == sum(r.max_new for r in reqs)
+        assert dyn.mean_accept > 1.5 and dyn.steps["decode"] and dyn.steps["verify"]
+        outs[attention] = plain.outputs
+    same = sum(a == b for a, b in zip(outs["flashinfer"].values(), outs["torch"].values()))
+    assert same >= len(reqs) // 2, f"only {same} of {len(reqs)} outputs agree between FlashInfer and torch"
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_run_ahead_reads_accept_lengths_late_and_changes_nothing(ahead):
+    """With run-ahead the host queues verify steps before reading earlier ones' accept lengths (up to
+    ``ahead`` unread), yet serves the same steps, outputs and counted tokens as a sync per step."""
+    engine, pool = _engine("cpu")
+    reqs = make_requests(6, PROMPT, CFG.vocab_size, 20, 24, seed=7)
+    base = DecodeLoop(engine, pool, "spec", run_ahead=0).run(reqs, 3, warmup_steps=2, max_steps=6)
+    full = DecodeLoop(engine, pool, "spec", run_ahead=0).run(reqs, 3)
+    unread_at_push = []
+    loop = DecodeLoop(engine, pool, "spec", run_ahead=ahead)
+    push, resolve = loop.accept_ring.push, loop._resolve
+    counts = {"push": 0, "resolve": 0}
+
+    def counting_push(*args):
+        unread_at_push.append(counts["push"] - counts["resolve"])
+        counts["push"] += 1
+        return push(*args)
+
+    def counting_resolve(*args):
+        counts["resolve"] += 1
+        return resolve(*args)
+
+    loop.accept_ring.push, loop._resolve = counting_push, counting_resolve
+    late_full = loop.run(reqs, 3)
+    assert late_full.outputs == full.outputs and late_full.tokens == full.tokens
+    assert late_full.mean_accept == full.mean_accept
+    assert max(unread_at_push) == ahead and min(unread_at_push) == 0 and counts["push"] == counts["resolve"]
+    late = DecodeLoop(engine, pool, "spec", run_ahead=ahead).run(reqs, 3, warmup_steps=2, max_steps=6)
+    assert (late.tokens, late.steps, late.accept_rows) == (base.tokens, base.steps, base.accept_rows)
+    assert late.partial == base.partial and late.outputs == base.outputs
 
 
 def test_draft_kv_after_catch_up_equals_fresh_draft_prefill():

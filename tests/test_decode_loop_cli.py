@@ -50,3 +50,43 @@ def test_match_rate_compares_the_tokens_both_runs_produced():
     b = {1: [5, 6], 2: [1, 4, 3, 0], 4: [2]}
     got = decode_loop.match_rate(a, b)
     assert got == {"requests": 2, "identical": 0.5, "tokens": 4 / 5}
+
+
+def _run(v, c, tps, accept=None, misses=0):
+    return {"tokens_per_s": tps, "mean_accept": accept, "graph_misses": misses}
+
+
+def test_acceptance_checks_pass_and_fail_on_the_targets():
+    from bench.decode_report import acceptance, acceptance_lines, check_targets
+    cs = [1, 32]
+    roof = {1: (0.80, 1.23), 32: (0.83, 2.70)}
+    res = {("plain", 1): _run("plain", 1, 1000 / 1.0), ("spec", 1): _run("spec", 1, 1000 / 1.0 * 1.6, 2.67),
+           ("dynamic", 1): _run("dynamic", 1, 1590.0, 2.67), ("dynamic_eager_plain", 1): _run("x", 1, 1500.0),
+           ("plain", 32): _run("plain", 32, 30000.0), ("spec", 32): _run("spec", 32, 20000.0, 2.6),
+           ("dynamic", 32): _run("dynamic", 32, 29000.0), ("dynamic_eager_plain", 32): _run("x", 32, 10000.0)}
+    ok = {name: passed for name, passed, _ in acceptance(res, cs, check_targets(res, cs), roof)}
+    # plain 1.0 ms vs 0.8 roofline: 1.25x; spec/plain 1.6 vs 0.85 x 2.67 x 0.8 / 1.23 = 1.48
+    assert all(ok.values()), ok
+    res[("plain", 1)] = _run("plain", 1, 1000 / 1.1)    # 1.1 ms: 1.375x the roofline
+    res[("dynamic", 32)] = _run("dynamic", 32, 14000.0)  # < 0.95 x plain and < 1.5 x dyn-eager
+    res[("spec", 32)]["graph_misses"] = 2
+    identity = {"ok": False, "attention": "torch", "spec_identical": 7, "dynamic_identical": 8, "requests": 8,
+                "switched": True, "graph_misses": 0}
+    checks = acceptance(res, cs, check_targets(res, cs), roof, identity)
+    failed = {name for name, passed, _ in checks if passed is False}
+    assert failed == {"plain step at C=1 within 1.3x its roofline", "dynamic >= 0.95 x max(plain, spec) at every C",
+                      "dynamic >= 1.5 x dyn-eager at C >= 32", "no graph misses",
+                      "float32 greedy output of spec and dynamic identical to plain"}
+    lines = acceptance_lines(checks).splitlines()
+    assert len(lines) == 6 and lines[0].startswith("FAIL  plain step at C=1") and lines[1].startswith("PASS  spec/plain")
+    missing = acceptance({}, cs, [], roof)
+    assert [passed for _, passed, _ in missing][:2] == [None, None]
+
+
+def test_attention_kernel_and_run_ahead_flags():
+    args = decode_loop.resolve(decode_loop.parse_args(["--device", "cpu", "--attention", "torch", "--kernels", "torch",
+                                                       "--run-ahead", "0", "--identity-check"]))
+    assert (args.attention, args.kernels, args.run_ahead, args.identity_check) == ("torch", "torch", 0, True)
+    import pytest
+    with pytest.raises(SystemExit):
+        decode_loop.parse_args(["--attention", "triton"])

@@ -8,21 +8,24 @@ Stable pieces (import them on their own):
   :func:`build_target`, :func:`build_draft`.
 * :mod:`bench.engine.kv_cache`: :class:`KVCache`, :class:`SlotAllocator`, :class:`ReqToTokenPool`
   (plain tensors; slot 0 and row 0 are the dummies padded rows use).
-* :mod:`bench.engine.attention`: :class:`AttnMeta`, :class:`PagedAttention` (graph-safe), and the
-  longhand :func:`reference_attention` oracle.
+* :mod:`bench.engine.attention`: :class:`AttnMeta`, :class:`PagedAttention` (graph-safe), :class:`TorchLayouts`
+  (each step's metadata), and the longhand :func:`reference_attention` oracle.
+* :mod:`bench.engine.fi_attention`: FlashInfer attention (CUDA, bf16/fp16), planned once per shape, its
+  metadata built in the graph by :mod:`bench.engine.fi_meta` (Triton kernels with torch references).
+* :mod:`bench.engine.fused`: fused Triton kernels for the norms, rotary embedding, SwiGLU and KV store.
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
 * :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 * :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the
   same decision per step), :mod:`bench.engine.agreement` (the per-step cross-rank check and
   :class:`RankDisagreementError`), :mod:`bench.engine.tp_launch` (spawn or torchrun, teardown order).
 """
-from .attention import AttnMeta, PagedAttention, attend, reference_attention
+from .attention import AttnMeta, PagedAttention, TorchLayouts, attend, reference_attention
 from .config import ModelConfig, SpecConfig, dtype_from_name
 from .kv_cache import DUMMY_ROW, DUMMY_SLOT, KVCache, ReqToTokenPool, SlotAllocator
 from .model import AttentionFn, LlamaModel, build_draft, build_target
 
 __all__ = [
-    "AttnMeta", "PagedAttention", "attend", "reference_attention", "ModelConfig", "SpecConfig",
+    "AttnMeta", "PagedAttention", "TorchLayouts", "attend", "reference_attention", "ModelConfig", "SpecConfig",
     "dtype_from_name", "DUMMY_ROW", "DUMMY_SLOT", "KVCache", "ReqToTokenPool", "SlotAllocator",
     "AttentionFn", "LlamaModel", "build_draft", "build_target",
 ]

@@ -90,6 +90,43 @@ class AttnMeta:
                          prefix_cols, group)
 
 
+class TorchLayouts:
+    """Builds each forward's :class:`AttnMeta` (the engine's attention-layout interface; the FlashInfer
+    twin is :class:`bench.engine.fi_attention.FlashInferLayouts`).
+
+    Args:
+        req_to_token: the engine's ``[rows, max_context]`` slot table.
+        group: query heads per KV head.
+
+    Every query gathers all ``max_context`` prefix columns (masked by length): fixed shapes for any
+    sequence length, at the cost of reading up to ``max_context`` keys per query.
+    """
+
+    def __init__(self, req_to_token: torch.Tensor, group: int):
+        self.table, self.group = req_to_token, group
+        self.prefix_cols = req_to_token.shape[1]
+
+    def causal(self, rows: torch.Tensor, start: torch.Tensor, tokens: int) -> AttnMeta:
+        """``tokens`` new tokens per sequence at columns ``start .. start + tokens - 1``, each attending
+        every column up to its own (prefill, the draft's first pass, plain decode with ``tokens == 1``)."""
+        cols = start[:, None] + torch.arange(tokens, device=start.device)
+        return AttnMeta.causal(self.table, rows, start, self.table[rows[:, None], cols], self.prefix_cols, self.group)
+
+    def tree(self, rows: torch.Tensor, prefix_len: torch.Tensor, extra_mask: torch.Tensor) -> AttnMeta:
+        """A tree step: every query attends columns ``[0, prefix_len)``, and query ``q`` extra column
+        ``prefix_len + e`` where ``extra_mask[:, q, e]``; the step's ``T`` new tokens are the last ``T``
+        extra columns (``extra_mask``: ``[bs, T, E]``)."""
+        tokens, extra = extra_mask.shape[1:]
+        cols = prefix_len[:, None] + torch.arange(extra, device=prefix_len.device)
+        extra_slots = self.table[rows[:, None], cols]
+        return AttnMeta.build(self.table, rows, prefix_len, extra_slots[:, extra - tokens:], extra_slots, extra_mask,
+                              self.prefix_cols, self.group)
+
+    def attention(self, cache: KVCache) -> "PagedAttention":
+        """The attention callable of one model over ``cache`` (set its ``meta`` per forward)."""
+        return PagedAttention(cache)
+
+
 class PagedAttention:
     """The attention callable for :class:`~bench.engine.model.LlamaModel` over a :class:`KVCache`.
 

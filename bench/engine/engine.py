@@ -4,8 +4,9 @@ captures (``prefill``, ``decode``, ``verify``).
 Every step reads only two per-sequence inputs, ``seq_lens`` (committed tokens ``n``) and
 ``req_pool_indices`` (request rows), and derives the rest in-graph from device tables:
 ``token_table[row, pos]`` (committed tokens) and ``req_to_token[row, pos]`` (KV slots). So a step needs no
-host-side slot allocation and no host copy of tokens, and the host never waits for the GPU except to
-read the accept lengths of a verify step. Padded rows carry row 0 (all dummy slot) and ``seq_lens`` 1.
+host-side slot allocation and no host copy of tokens, and nothing in a step needs the host to know
+more than which rows run (the attention metadata is built in-graph too, see
+:mod:`bench.engine.fi_attention`). Padded rows carry row 0 (all dummy slot) and ``seq_lens`` 1.
 
 State of a sequence with ``n`` committed tokens: the target KV holds positions ``0..n-2``; token ``n-1``
 is pending (the next step's input). The draft KV holds positions ``0..draft_len-1``.
@@ -18,14 +19,17 @@ import torch
 
 from graphpool import GraphPool, Mode, StepBatch, StepInput
 
-from .attention import AttnMeta, PagedAttention
+from .attention import TorchLayouts
 from .config import ModelConfig, SpecConfig
+from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
-from .model import LlamaModel, build_draft, build_target
+from .model import build_draft, build_target
 from .parallel import TensorParallel
 from .tree import DEPTH_PENALTY, greedy_accept, select_tree
 
 log = logging.getLogger(__name__)
+
+ATTENTION = ("torch", "flashinfer", "flashinfer-reference")
 
 STEP_INPUTS = [
     StepInput("seq_lens", torch.int64, per="seq", fill=1),
@@ -46,11 +50,15 @@ class Engine:
         seed: weights seed (the draft uses ``seed + 1``).
         tp: tensor parallelism (:mod:`bench.engine.parallel`): this rank keeps its shard of the same full
             weights and its KV heads; ``None`` runs the whole model in this process.
+        attention: ``"torch"`` (gather + SDPA, :mod:`bench.engine.attention`), ``"flashinfer"`` (CUDA, bf16/fp16,
+            :mod:`bench.engine.fi_attention`), ``"flashinfer-reference"`` (FlashInfer's metadata with the attention
+            math in torch: CPU and float32 checks), or ``"auto"`` (FlashInfer where it can run, else torch).
+        kernels: elementwise kernels of the model, see :func:`bench.engine.model.resolve_kernels`.
     """
 
     def __init__(self, cfg: ModelConfig, spec: SpecConfig, max_rows: int, prompt_len: int, max_new_tokens: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, attention: str = "torch", kernels: str = "auto"):
         if prompt_len < spec.window + 1:
             raise ValueError(f"prompt_len must be >= {spec.window + 1} (the draft re-reads the last "
                              f"{spec.window} tokens), got {prompt_len}")
@@ -60,7 +68,7 @@ class Engine:
         self.max_context = prompt_len + max_new_tokens + spec.num_draft_tokens + spec.topk * spec.steps
         if self.max_context + spec.num_draft_tokens > cfg.max_positions:
             raise ValueError(f"max_context {self.max_context} exceeds the model's max_positions {cfg.max_positions}")
-        self.target = build_target(cfg, seed, self.device, dtype)
+        self.target = build_target(cfg, seed, self.device, dtype, kernels)
         self.draft = build_draft(self.target, spec.draft_layers, spec.draft_noise, seed + 1)
         self.tp = tp
         # Heads this process attends over (its shard under tensor parallelism); the KV cache holds these.
@@ -73,15 +81,27 @@ class Engine:
         self.rows = ReqToTokenPool(max_rows, self.max_context, self.slots, self.device)
         self.req_to_token = self.rows.req_to_token
         kv = (num_slots, self.num_kv_heads, cfg.head_dim, dtype, self.device)
-        self.target_attn = PagedAttention(KVCache(cfg.num_layers, *kv))
-        self.draft_attn = PagedAttention(KVCache(spec.draft_layers, *kv))
-        self.token_table = torch.zeros(max_rows + 1, self.max_context, dtype=torch.int64, device=self.device)
+        target_cache, draft_cache = KVCache(cfg.num_layers, *kv), KVCache(spec.draft_layers, *kv)
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self._cand_depth = torch.tensor([1] * spec.topk + [d for d in range(2, spec.steps + 1)
-                                                            for _ in range(spec.topk ** 2)], device=self.device)
-        log.info("engine: %d target layers, %d draft layers, %d rows x %d positions, KV %.1f MiB", cfg.num_layers,
-                 spec.draft_layers, max_rows, self.max_context,
-                 (self.target_attn.cache.nbytes + self.draft_attn.cache.nbytes) / 2**20)
+        self.attention = resolve_attention(attention, self.device, dtype, cfg.head_dim)
+        # The catch-up after plain steps has a different token count every time: it runs eagerly with
+        # the torch attention on the same draft cache, whichever backend the steps use.
+        self.torch_layouts = TorchLayouts(self.req_to_token, self.group)
+        if self.attention == "torch":
+            self.layouts = self.torch_layouts
+        else:
+            kernel = "flashinfer" if self.attention == "flashinfer" else "reference"
+            self.layouts = FlashInferLayouts(self.req_to_token, self.num_heads, self.num_kv_heads, cfg.head_dim, dtype,
+                                             kernel)
+        self.target_attn = self.layouts.attention(target_cache)
+        self.draft_attn = self.layouts.attention(draft_cache)
+        self.catch_up_attn = self.torch_layouts.attention(draft_cache)
+        self.token_table = torch.zeros(max_rows + 1, self.max_context, dtype=torch.int64, device=self.device)
+        self._const = _StepConstants(spec, prompt_len, self.device)
+        log.info("engine: %d target layers, %d draft layers, %d rows x %d positions, KV %.1f MiB, %s attention, "
+                 "%s kernels", cfg.num_layers, spec.draft_layers, max_rows, self.max_context,
+                 (target_cache.nbytes + draft_cache.nbytes) / 2**20, self.attention,
+                 "fused" if self.target.fused else "torch")
 
     # ------------------------------------------------------------------------------------- the pool
     def modes(self) -> list[Mode]:
@@ -110,15 +130,11 @@ class Engine:
         raise ValueError(f"the engine has no step for mode {name!r}; its modes are decode, verify, prefill")
 
     # ------------------------------------------------------------------------------------ the steps
-    def _meta_causal(self, rows: torch.Tensor, start: torch.Tensor, positions: torch.Tensor) -> AttnMeta:
-        slots = self.req_to_token[rows[:, None], positions]
-        return AttnMeta.causal(self.req_to_token, rows, start, slots, self.max_context, self.group)
-
     def prefill(self, rows: torch.Tensor) -> torch.Tensor:
         """Target and draft KV for prompt positions ``0..P-2`` (the prompt is already in token_table)."""
         t = self.prompt_len - 1
-        pos = torch.arange(t, device=rows.device).expand(rows.shape[0], t)
-        meta = self._meta_causal(rows, torch.zeros_like(rows), pos)
+        pos = self._const.prompt_cols.expand(rows.shape[0], t)
+        meta = self.layouts.causal(rows, torch.zeros_like(rows), t)
         ids, flat = self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1)
         for model, attn in ((self.target, self.target_attn), (self.draft, self.draft_attn)):
             attn.meta = meta
@@ -127,85 +143,110 @@ class Engine:
 
     def decode(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One plain greedy decode step; commits ``token_table[row, n]``. Returns the new tokens ``[bs]``."""
-        pos = (seq_lens - 1)[:, None]
-        self.target_attn.meta = self._meta_causal(rows, seq_lens - 1, pos)
-        hidden = self.target(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.target_attn)
-        nxt = self.target.logits(hidden).argmax(-1)
+        last = seq_lens - 1
+        self.target_attn.meta = self.layouts.causal(rows, last, 1)
+        hidden = self.target(self.token_table[rows, last], last, self.target_attn)
+        nxt = self.target.greedy(hidden)
         self.token_table[rows, seq_lens] = nxt
         return nxt
 
     def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``."""
-        sp, n, bs = self.spec, seq_lens, rows.shape[0]
+        sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
         tree = self._draft_tree(n, rows)
         # Verify: node i sits in the row's slot at column n-1+i (the root's own slot, then scratch columns).
-        cols = (n - 1)[:, None] + torch.arange(sp.num_draft_tokens, device=n.device)
+        last = n - 1
+        cols = last[:, None] + c.tree_cols
         slots = self.req_to_token[rows[:, None], cols]
-        self.target_attn.meta = AttnMeta.build(self.req_to_token, rows, n - 1, slots, slots, tree.mask,
-                                               self.max_context, self.group)
-        positions = ((n - 1)[:, None] + tree.depth).reshape(-1)
-        hidden = self.target(tree.tokens.reshape(-1), positions, self.target_attn)
-        target_tokens = self.target.logits(hidden).argmax(-1).view(bs, -1)
-        acc = greedy_accept(tree, target_tokens, sp.steps)
+        self.target_attn.meta = self.layouts.tree(rows, last, tree.mask)
+        hidden = self.target(tree.tokens.reshape(-1), (last[:, None] + tree.depth).reshape(-1), self.target_attn)
+        acc = greedy_accept(tree, self.target.greedy(hidden).view(bs, -1), sp.steps)
         # Accepted nodes' slots move to columns n-1 .. n-1+a (a permutation of the row: no KV copies).
         self.req_to_token[rows[:, None], cols] = slots.gather(1, acc.order)
-        new_cols = n[:, None] + torch.arange(sp.steps + 1, device=n.device)
-        self.token_table[rows[:, None], new_cols] = acc.new_tokens
+        self.token_table[rows[:, None], n[:, None] + c.commit_cols] = acc.new_tokens
         return acc.accept_len
 
     def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor):
-        sp, bs, dev = self.spec, rows.shape[0], rows.device
+        sp, bs, c = self.spec, rows.shape[0], self._const
         k, w = sp.topk, sp.window
         # Pass 1 re-reads the last `window` committed tokens: it (re)writes their draft KV, which covers
         # every token committed by the previous step, and scores the root's children.
         start = (n - w).clamp(min=0)  # clamp: padded rows have n = 1
-        pos = start[:, None] + torch.arange(w, device=dev)
-        self.draft_attn.meta = self._meta_causal(rows, start, pos)
+        pos = start[:, None] + c.window_cols
+        self.draft_attn.meta = self.layouts.causal(rows, start, w)
         hidden = self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.draft_attn)
-        logp = self.draft.logits(hidden.view(bs, w, -1)[:, -1]).log_softmax(-1)
+        logp = self.draft.log_probs(hidden.view(bs, w, -1)[:, -1])
         top = logp.topk(k, dim=-1)
         cand_tok, cand_score = [top.indices], [top.values - DEPTH_PENALTY]
-        cand_par = [torch.full((bs, k), -1, dtype=torch.long, device=dev)]
-        beam_tok, beam_score, beam_id = top.indices, cand_score[0], torch.arange(k, device=dev).expand(bs, k)
-        # Beam nodes get draft-KV scratch slots at columns n, n+1, ... (past every committed position).
-        n_scratch = k * (sp.steps - 1)
-        scratch = self.req_to_token[rows[:, None], n[:, None] + torch.arange(max(n_scratch, 1), device=dev)]
-        beam_anc = torch.zeros(bs, k, max(n_scratch, 1), dtype=torch.bool, device=dev)
-        beam_anc[:, :, :k] = torch.eye(k, dtype=torch.bool, device=dev)
+        cand_par = [c.root_parents.expand(bs, k)]
+        beam_tok, beam_score, beam_id = top.indices, cand_score[0], c.first_beam.expand(bs, k)
+        # Beam nodes get draft-KV scratch slots at columns n, n+1, ... (past every committed position);
+        # beam_anc[b, i, j]: scratch column n+j holds an ancestor of beam node i (or the node itself).
+        beam_anc = c.first_ancestors.expand(bs, -1, -1)
         offset = k
         for d in range(2, sp.steps + 1):
-            # Forward the level d-1 beam: each node attends the committed prefix and its own ancestors.
-            write = scratch[:, (d - 2) * k:(d - 1) * k]
-            self.draft_attn.meta = AttnMeta.build(self.req_to_token, rows, n, write, scratch, beam_anc,
-                                                  self.max_context, self.group)
-            positions = (n - 2 + d)[:, None].expand(bs, k).reshape(-1)
+            # Forward the level d-1 beam (its nodes' KV go to scratch columns n+(d-2)k ..): each node
+            # attends the committed prefix and its own ancestors.
+            self.draft_attn.meta = self.layouts.tree(rows, n, beam_anc[:, :, :(d - 1) * k])
+            positions = (n + (d - 2))[:, None].expand(bs, k).reshape(-1)
             hidden = self.draft(beam_tok.reshape(-1), positions, self.draft_attn)
-            top = self.draft.logits(hidden).log_softmax(-1).topk(k, dim=-1)
+            top = self.draft.log_probs(hidden).topk(k, dim=-1)
             score = (beam_score[..., None] + top.values.view(bs, k, k) - DEPTH_PENALTY).reshape(bs, k * k)
             toks = top.indices.view(bs, k * k)
-            par = beam_id[..., None].expand(bs, k, k).reshape(bs, k * k)
-            cand_tok.append(toks), cand_score.append(score), cand_par.append(par)
+            cand_tok.append(toks), cand_score.append(score)
+            cand_par.append(beam_id[..., None].expand(bs, k, k).reshape(bs, k * k))
             best = score.topk(k, dim=-1).indices
-            parent_beam = best // k
             beam_tok, beam_score, beam_id = toks.gather(1, best), score.gather(1, best), offset + best
             if d < sp.steps:
-                beam_anc = beam_anc.gather(1, parent_beam[..., None].expand_as(beam_anc)).clone()
-                beam_anc[:, :, (d - 1) * k:d * k] |= torch.eye(k, dtype=torch.bool, device=dev)
+                beam_anc = beam_anc.gather(1, (best // k)[..., None].expand(bs, k, beam_anc.shape[2]))
+                beam_anc[:, :, (d - 1) * k:d * k] |= c.eye
             offset += k * k
         root = self.token_table[rows, n - 1]
         return select_tree(root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
-                           self._cand_depth, sp.num_draft_tokens, sp.steps)
+                           c.cand_depth, sp.num_draft_tokens, sp.steps)
 
     # ------------------------------------------------------------------------------- eager helpers
     @torch.no_grad()
     def draft_catch_up(self, row: int, draft_len: int, upto: int) -> None:
         """Eagerly write draft KV for positions ``draft_len .. upto-1`` of one row (after plain decode
-        steps, before speculation resumes). Not graphed: it only runs when the mode switches."""
+        steps, before speculation resumes). Not graphed: it only runs when the mode switches, with a
+        different token count each time, so it uses the torch attention (same cache) whatever the backend."""
         if upto <= draft_len:
             return
         if self.tp is not None:
             self.tp.agree("draft_catch_up", 1, upto - draft_len)
         rows = torch.tensor([row], device=self.device)
         pos = torch.arange(draft_len, upto, device=self.device)[None, :]
-        self.draft_attn.meta = self._meta_causal(rows, torch.tensor([draft_len], device=self.device), pos)
-        self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.draft_attn)
+        self.catch_up_attn.meta = self.torch_layouts.causal(rows, torch.tensor([draft_len], device=self.device),
+                                                            upto - draft_len)
+        self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.catch_up_attn)
+
+
+class _StepConstants:
+    """Index tensors the steps use every time, made once (an ``arange`` inside a graph is a kernel)."""
+
+    def __init__(self, spec: SpecConfig, prompt_len: int, device: torch.device):
+        k, n_scratch = spec.topk, max(spec.topk * (spec.steps - 1), 1)
+        self.window_cols = torch.arange(spec.window, device=device)
+        self.tree_cols = torch.arange(spec.num_draft_tokens, device=device)
+        self.commit_cols = torch.arange(spec.steps + 1, device=device)
+        self.prompt_cols = torch.arange(prompt_len - 1, device=device)
+        self.root_parents = torch.full((1, k), -1, dtype=torch.long, device=device)
+        self.first_beam = torch.arange(k, device=device)[None]
+        self.eye = torch.eye(k, dtype=torch.bool, device=device)
+        self.first_ancestors = torch.zeros(1, k, n_scratch, dtype=torch.bool, device=device)
+        self.first_ancestors[0, :, :k] = self.eye
+        self.cand_depth = torch.tensor([1] * k + [d for d in range(2, spec.steps + 1) for _ in range(k * k)],
+                                       device=device)
+
+
+def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> str:
+    """The attention backend for ``attention`` (one of :data:`ATTENTION` or ``"auto"``): ``"auto"`` picks
+    FlashInfer on CUDA in bf16/fp16 for the head sizes it is built for, where it is installed, else torch."""
+    if attention == "auto":
+        ok = (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in HEAD_DIMS
+              and flashinfer_available())
+        return "flashinfer" if ok else "torch"
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be 'auto' or one of {ATTENTION}, got {attention!r}")
+    return attention

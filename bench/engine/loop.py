@@ -8,14 +8,20 @@ How steps run (the four variants of the benchmark):
 * ``dynamic_eager_plain``: the same choice, but plain steps run eagerly, as on a server whose runner
   only holds verify graphs.
 
-The host knows every sequence's length without asking the GPU, except after a verify step, where it
-reads the accept lengths (the one sync per speculative step).
+The host knows every sequence's length without asking the GPU, except after a verify step, whose
+accept lengths only the GPU knows. The loop does not wait for them (**run-ahead**): the next step's
+``seq_lens`` are computed on the device (``seq_lens + accept_len``, one small launch), the accept lengths
+travel to pinned host memory asynchronously, and the host reads them one step later, while the GPU runs
+the step it has just queued. The host waits only where it must know them: when a request may have
+finished (its batch changes), when the mode changes (a catch-up needs the lengths), and to keep at most
+``run_ahead`` verify steps unread. ``run_ahead=0`` reads them after every verify step (a sync per step).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -75,6 +81,68 @@ class RunStats:
         return 1.0 + self.draft_tokens_accepted / self.accept_rows if self.accept_rows else 0.0
 
 
+@dataclass
+class _Active:
+    """The sequences in flight, in batch order (host arrays)."""
+
+    reqs: list = field(default_factory=list)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # request row
+    lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # committed tokens n
+    draft_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions with valid draft KV
+    done: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # tokens generated so far
+    limit: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))      # max_new
+
+    def add(self, new: list[Request], rows: np.ndarray, prompt_len: int) -> None:
+        self.reqs += new
+        self.rows = np.concatenate([self.rows, rows])
+        self.lens = np.concatenate([self.lens, np.full(len(new), prompt_len)])
+        self.draft_len = np.concatenate([self.draft_len, np.full(len(new), prompt_len - 1)])
+        self.done = np.concatenate([self.done, np.zeros(len(new), np.int64)])
+        self.limit = np.concatenate([self.limit, [r.max_new for r in new]])
+
+    def keep(self, idx: np.ndarray) -> None:
+        self.reqs = [self.reqs[i] for i in idx]
+        for name in ("rows", "lens", "draft_len", "done", "limit"):
+            setattr(self, name, getattr(self, name)[idx])
+
+
+@dataclass
+class _InFlight:
+    """A verify step whose accept lengths the host has not read yet."""
+
+    step: int
+    accepted: np.ndarray                 # host view the accept lengths land in
+    event: Optional["torch.cuda.Event"]  # recorded after the copy (None on CPU: copied already)
+
+
+class _AcceptRing:
+    """Accept lengths to the host without a sync, and the next step's ``seq_lens`` on the device.
+
+    Each verify step gets a ring slot: a pinned host buffer (async device-to-host copy, then an event)
+    and a device buffer for ``seq_lens + accept_len``. Slots outnumber the steps the loop keeps unread,
+    so a slot is free again by the time the ring comes back to it.
+    """
+
+    def __init__(self, device: torch.device, max_rows: int, slots: int):
+        self.cuda = device.type == "cuda"
+        self.host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=self.cuda) for _ in range(slots)]
+        self.lens = [torch.zeros(max_rows, dtype=torch.int64, device=device) for _ in range(slots)]
+        self.i = 0
+
+    def push(self, seq_lens: torch.Tensor, accepted: torch.Tensor, step: int) -> tuple[_InFlight, torch.Tensor]:
+        """Queue the copies of one verify step; returns its record and the next step's ``seq_lens``."""
+        self.i = (self.i + 1) % len(self.host)
+        bs = accepted.shape[0]
+        nxt = torch.add(seq_lens, accepted, out=self.lens[self.i][:bs])
+        host = self.host[self.i][:bs]
+        host.copy_(accepted, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _InFlight(step, host.numpy(), event), nxt
+
+
 class DecodeLoop:
     """Runs requests through an engine and its captured pool.
 
@@ -83,15 +151,23 @@ class DecodeLoop:
         pool: the captured pool.
         variant: one of :data:`VARIANTS`.
         policy: the mode choice for the dynamic variants.
+        run_ahead: verify steps whose accept lengths may stay unread when the next step is queued
+            (0: read them after every verify step, a host sync per step; see the module docstring).
     """
 
-    def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: SpeculationPolicy | None = None):
+    def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: SpeculationPolicy | None = None,
+                 run_ahead: int = 1):
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
         if variant.startswith("dynamic") and policy is None:
             raise ValueError(f"variant {variant!r} needs a SpeculationPolicy")
+        if run_ahead < 0:
+            raise ValueError(f"run_ahead must be >= 0, got {run_ahead}")
         self.engine, self.pool, self.variant, self.policy = engine, pool, variant, policy
-        self.h2d = HostToDevice(engine.device, max(2 * engine.rows.num_rows, engine.rows.num_rows * (engine.prompt_len + 1)))
+        self.run_ahead = run_ahead
+        rows = engine.rows.num_rows
+        self.h2d = HostToDevice(engine.device, max(2 * rows, rows * (engine.prompt_len + 1)))
+        self.accept_ring = _AcceptRing(engine.device, rows, run_ahead + 2)
         self._prefill_max = max(pool.batch_sizes["prefill"])
 
     def _mode(self, bs: int) -> str:
@@ -107,83 +183,113 @@ class DecodeLoop:
         timed steps (after ``warmup_steps`` untimed ones) have run and at least ``min_seconds`` passed.
         Throughput counts the tokens committed in the timed window (capped at each request's ``max_new``)."""
         eng, stats = self.engine, RunStats(self.variant, concurrency)
+        self._stats, self._warmup = stats, warmup_steps
         queue = list(reversed(requests))
-        rows = np.zeros(0, np.int64)            # request row of each active sequence
-        lens = np.zeros(0, np.int64)            # committed tokens n
-        draft_len = np.zeros(0, np.int64)       # positions whose draft KV is valid
-        done = np.zeros(0, np.int64)            # tokens generated so far
-        reqs: list[Request] = []
-        limit = np.zeros(0, np.int64)           # max_new of each active sequence
-        pending_out: list[tuple[int, torch.Tensor]] = []
+        act = _Active()
+        inflight: list[_InFlight] = []
+        lens_dev = rows_dev = None  # the device inputs that follow the unread steps
+        outputs: list[tuple[int, torch.Tensor]] = []
         misses0 = sum(self.pool.stats.misses.values())
-        step, t0 = 0, None
+        gain = eng.spec.steps + 1  # the most tokens a verify step commits per sequence
+        step, t0, last_mode = 0, None, None
         while True:
-            free = concurrency - len(reqs)
-            if free > 0 and queue:
-                new = [queue.pop() for _ in range(min(free, len(queue)))]
-                new_rows = self._admit(new)
-                reqs += new
-                rows = np.concatenate([rows, new_rows])
-                lens = np.concatenate([lens, np.full(len(new), eng.prompt_len)])
-                draft_len = np.concatenate([draft_len, np.full(len(new), eng.prompt_len - 1)])
-                done = np.concatenate([done, np.zeros(len(new), np.int64)])
-                limit = np.concatenate([limit, [r.max_new for r in new]])
-            if not reqs or (max_steps is not None and step >= warmup_steps + max_steps
-                            and time.perf_counter() - t0 >= min_seconds):
+            while len(inflight) > self.run_ahead:
+                self._resolve(inflight.pop(0), act)
+            if inflight and np.any(act.done + gain * len(inflight) >= act.limit):
+                self._resolve_all(inflight, act)  # a request may have finished: the batch changes
+            if not inflight:
+                self._retire(act, outputs, keep_outputs)
+                free = concurrency - len(act.reqs)
+                if free > 0 and queue:
+                    new = [queue.pop() for _ in range(min(free, len(queue)))]
+                    act.add(new, self._admit(new), eng.prompt_len)
+            if not act.reqs or (max_steps is not None and step >= warmup_steps + max_steps
+                                and time.perf_counter() - t0 >= min_seconds):
                 break
             if step == warmup_steps:
                 self._sync()
                 t0 = time.perf_counter()
-            bs = len(reqs)
+            bs = len(act.reqs)
             mode = self._mode(bs)
-            if mode == "verify":
-                stale = np.flatnonzero(draft_len < lens - eng.spec.window)
+            if inflight and mode != last_mode:
+                self._resolve_all(inflight, act)  # the next step needs exact host lengths
+            if mode == "verify" and not inflight:
+                stale = np.flatnonzero(act.draft_len < act.lens - eng.spec.window)
                 for i in stale:  # after plain steps: bring the draft KV up to the window before speculating
-                    eng.draft_catch_up(int(rows[i]), int(draft_len[i]), int(lens[i] - eng.spec.window))
+                    eng.draft_catch_up(int(act.rows[i]), int(act.draft_len[i]), int(act.lens[i] - eng.spec.window))
                 stats.catch_ups += len(stale)
-            dev = self.h2d(np.stack([lens, rows]))
-            inputs = {"seq_lens": dev[0], "req_pool_indices": dev[1]}
-            if mode == "verify":
-                acc = self.pool.run("verify", **inputs).cpu().numpy()  # the one host sync of a step
-                draft_len = lens.copy()
-            elif self.variant == "dynamic_eager_plain":
-                self.engine.step(StepBatch(self.pool.modes["decode"], bs, bs, inputs, captured=False))
-                acc = np.ones(bs, np.int64)
-                mode = "eager_decode"
+            if inflight:
+                seq_lens, rows = lens_dev, rows_dev
             else:
-                self.pool.run("decode", **inputs)
-                acc = np.ones(bs, np.int64)
-            gained = np.minimum(acc, limit - done)
-            lens, done = lens + acc, done + gained
+                dev = self.h2d(np.stack([act.lens, act.rows]))
+                seq_lens, rows = dev[0], dev[1]
+            if mode == "verify":
+                accepted = self.pool.run("verify", seq_lens=seq_lens, req_pool_indices=rows)
+                if self.run_ahead:
+                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step)
+                    rows_dev = rows
+                    inflight.append(record)
+                else:
+                    self._commit(step, "verify", accepted.cpu().numpy(), act)  # the one host sync of a step
+            elif self.variant == "dynamic_eager_plain":
+                self.engine.step(StepBatch(self.pool.modes["decode"], bs, bs, {"seq_lens": seq_lens,
+                                                                               "req_pool_indices": rows}, captured=False))
+                mode = "eager_decode"
+                self._commit(step, mode, np.ones(bs, np.int64), act)
+            else:
+                self.pool.run("decode", seq_lens=seq_lens, req_pool_indices=rows)
+                self._commit(step, mode, np.ones(bs, np.int64), act)
             if step >= warmup_steps:
-                stats.tokens += int(gained.sum())
                 stats.steps[mode] += 1
-                if mode == "verify":
-                    stats.draft_tokens_accepted += int((acc - 1).sum())
-                    stats.accept_rows += bs
             step += 1
-            finished = np.flatnonzero(done >= limit)
-            if len(finished):
-                for i in finished:
-                    r = reqs[i]
-                    if keep_outputs:
-                        start = eng.prompt_len
-                        pending_out.append((r.rid, eng.token_table[int(rows[i]), start:start + r.max_new].clone()))
-                    eng.rows.free(int(rows[i]))
-                keep = np.setdiff1d(np.arange(len(reqs)), finished)
-                reqs = [reqs[i] for i in keep]
-                rows, lens, draft_len, done, limit = rows[keep], lens[keep], draft_len[keep], done[keep], limit[keep]
+            last_mode = "decode" if mode == "eager_decode" else mode
+        self._resolve_all(inflight, act)
+        self._retire(act, outputs, keep_outputs)
         self._sync()
         stats.seconds = time.perf_counter() - t0 if t0 is not None else 0.0
         stats.graph_misses = sum(self.pool.stats.misses.values()) - misses0
         partial = []
-        for i, r in enumerate(reqs):  # unfinished requests free their rows too
-            if keep_outputs and done[i]:
-                partial.append((r.rid, eng.token_table[int(rows[i]), eng.prompt_len:eng.prompt_len + int(done[i])]))
-            eng.rows.free(int(rows[i]))
-        stats.outputs = {rid: t.cpu().tolist() for rid, t in pending_out}
+        for i, r in enumerate(act.reqs):  # unfinished requests free their rows too
+            if keep_outputs and act.done[i]:
+                partial.append((r.rid, eng.token_table[int(act.rows[i]), eng.prompt_len:eng.prompt_len + int(act.done[i])]))
+            eng.rows.free(int(act.rows[i]))
+        stats.outputs = {rid: t.cpu().tolist() for rid, t in outputs}
         stats.partial = {rid: t.cpu().tolist() for rid, t in partial}
         return stats
+
+    def _commit(self, step: int, mode: str, accepted: np.ndarray, act: _Active) -> None:
+        """Apply one step's committed token counts to the host state (and the stats, in the timed window)."""
+        if mode == "verify":
+            act.draft_len = act.lens.copy()  # the step's first draft pass wrote KV up to its input lengths
+        gained = np.minimum(accepted, act.limit - act.done)
+        act.lens, act.done = act.lens + accepted, act.done + gained
+        if step >= self._warmup:
+            self._stats.tokens += int(gained.sum())
+            if mode == "verify":
+                self._stats.draft_tokens_accepted += int((accepted - 1).sum())
+                self._stats.accept_rows += len(accepted)
+
+    def _resolve(self, record: _InFlight, act: _Active) -> None:
+        if record.event is not None:
+            record.event.synchronize()
+        self._commit(record.step, "verify", record.accepted.copy(), act)
+
+    def _resolve_all(self, inflight: list[_InFlight], act: _Active) -> None:
+        while inflight:
+            self._resolve(inflight.pop(0), act)
+
+    def _retire(self, act: _Active, outputs: list, keep_outputs: bool) -> None:
+        """Record and release the requests that have generated all their tokens."""
+        finished = np.flatnonzero(act.done >= act.limit)
+        if not len(finished):
+            return
+        eng = self.engine
+        for i in finished:
+            r = act.reqs[i]
+            if keep_outputs:
+                outputs.append((r.rid, eng.token_table[int(act.rows[i]), eng.prompt_len:eng.prompt_len + r.max_new].clone()))
+            eng.rows.free(int(act.rows[i]))
+        act.keep(np.setdiff1d(np.arange(len(act.reqs)), finished))
 
     def _admit(self, new: list[Request]) -> np.ndarray:
         """Take rows, write the prompts into the token table, prefill them (graphed, in chunks)."""

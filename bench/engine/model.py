@@ -8,7 +8,9 @@ That keeps the model reusable by any harness (the SGLang test harness wraps its 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         out: [num_tokens, num_heads * head_dim]
 
-:class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation.
+:class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation. Norms, rotary
+embeddings and SwiGLU run as fused Triton kernels where ``model.fused`` (CUDA; :mod:`bench.engine.fused`),
+as plain torch elsewhere; ``v`` reaches the attention as a view into the qkv projection (rows strided).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .fused import add_rmsnorm, fused_available, rmsnorm_reference, rope_qk, silu_mul, stats_dtype
 
 
 class AttentionFn(Protocol):
@@ -26,14 +29,8 @@ class AttentionFn(Protocol):
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype norms, rotary embeddings and logits compute in: float32 for bf16, fp16 and fp32 models
-    (stability), float64 for a float64 model (test oracles stay float64 end to end)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square norm; statistics in at least float32 (see :func:`stats_dtype`)."""
+    """Root-mean-square norm; statistics in at least float32 (see :func:`bench.engine.fused.stats_dtype`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -41,9 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xs = x.to(stats_dtype(x.dtype))
-        xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xs.to(x.dtype) * self.weight
+        return rmsnorm_reference(x, self.weight, self.eps)
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,17 +48,13 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> t
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding. ``x``: [N, heads, D]; ``cos``/``sin``: [N, D/2] (already gathered)."""
-    half = x.shape[-1] // 2
-    dtype = stats_dtype(x.dtype)
-    x1, x2 = x[..., :half].to(dtype), x[..., half:].to(dtype)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm SwiGLU block, both residual."""
+    """Pre-norm attention block then pre-norm SwiGLU block, both residual.
+
+    The layer takes the residual stream ``h`` and the previous block's output ``delta`` (``None`` for the
+    first layer) and adds them inside its first norm, so one fused kernel does the residual add and the
+    norm (see :mod:`bench.engine.fused`). It returns the new ``(h, delta)``.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -77,16 +68,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: tuple,
+                attn: AttentionFn, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(self.input_norm(h)).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        h = h + self.o_proj(attn(self.layer_id, q, k, v))
-        gate, up = self.gate_up_proj(self.post_norm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(nn.functional.silu(gate) * up)
+        kv_start = (self.num_heads + self.num_kv_heads) * self.head_dim
+        x, h = add_rmsnorm(h, delta, self.input_norm.weight, self.input_norm.eps, fused)
+        qkv = self.qkv_proj(x)
+        q, k = rope_qk(qkv, positions, *rope, self.num_heads, self.num_kv_heads, self.head_dim, fused)
+        v = qkv[:, kv_start:].view(n, self.num_kv_heads, self.head_dim)
+        x, h = add_rmsnorm(self.o_proj(attn(self.layer_id, q, k, v)), h, self.post_norm.weight, self.post_norm.eps,
+                           fused)
+        return h, self.down_proj(silu_mul(self.gate_up_proj(x), fused))
 
 
 class LlamaModel(nn.Module):
@@ -108,6 +100,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.fused = False  # Triton kernels for norms, rotary and SwiGLU (see resolve_kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm.
@@ -117,15 +110,39 @@ class LlamaModel(nn.Module):
             positions: ``[num_tokens]`` int64 positions (rotary embedding index).
             attn: the attention callable; it sees every layer's q, k, v and owns the KV cache.
         """
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h = self.embed(input_ids)
+        h, delta, rope = self.embed(input_ids), None, (self.rope_cos, self.rope_sin)
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, delta = layer(h, delta, positions, rope, attn, self.fused)
+        return add_rmsnorm(delta, h, self.norm.weight, self.norm.eps, self.fused)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[num_tokens, vocab]`` in at least float32 (so greedy argmax is stable across batch shapes)."""
         return self.lm_head(hidden).to(stats_dtype(hidden.dtype))
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``logits(hidden).log_softmax(-1)``, with the upcast inside the softmax kernel (one kernel fewer;
+        the upcast is exact, so the result is the same)."""
+        return nn.functional.log_softmax(self.lm_head(hidden), -1, dtype=stats_dtype(hidden.dtype))
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of every row, as ``logits(hidden).argmax(-1)`` (the upcast is exact, so the
+        argmax is taken on the LM head's output directly: one kernel fewer)."""
+        return self.lm_head(hidden).argmax(-1)
+
+
+KERNELS = ("auto", "fused", "torch")
+
+
+def resolve_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a model on ``device`` in ``dtype`` uses the fused Triton kernels of :mod:`bench.engine.fused`:
+    ``"fused"`` (an error where they cannot run), ``"torch"`` (never), ``"auto"`` (where they can run)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    can = fused_available(device, dtype)
+    if kernels == "fused" and not can:
+        raise ValueError(f"fused kernels need CUDA, Triton and bf16/fp16/fp32; got device {device}, dtype {dtype}: "
+                         f"use kernels='torch' or 'auto'")
+    return can if kernels == "auto" else kernels == "fused"
 
 
 @torch.no_grad()
@@ -148,12 +165,15 @@ def init_random_(model: LlamaModel, seed: int) -> LlamaModel:
 
 
 def build_target(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """A target model with seeded random weights on ``device`` in ``dtype`` (weights are drawn in float32)."""
+                 dtype: torch.dtype = torch.float32, kernels: str = "auto") -> LlamaModel:
+    """A target model with seeded random weights on ``device`` in ``dtype`` (weights are drawn in float32);
+    ``kernels`` picks fused Triton or plain torch elementwise kernels (:func:`resolve_kernels`)."""
     with torch.device(device):
         model = LlamaModel(cfg)
     init_random_(model, seed)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.fused = resolve_kernels(kernels, device, dtype)
+    return model
 
 
 @torch.no_grad()
@@ -174,4 +194,6 @@ def build_draft(target: LlamaModel, num_layers: int = 1, noise: float = 0.05, se
         if noise > 0 and not name.endswith("norm.weight"):
             w = w + noise * w.std() * torch.randn(w.shape, generator=gen, device=device)
         p.copy_(w)
-    return draft.to(dtype).eval().requires_grad_(False)
+    draft = draft.to(dtype).eval().requires_grad_(False)
+    draft.fused = target.fused
+    return draft

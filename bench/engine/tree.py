@@ -93,24 +93,20 @@ def greedy_accept(tree: Tree, target_tokens: torch.Tensor, max_depth: int) -> Ac
         max_depth: deepest level.
     """
     bs, n = tree.tokens.shape
-    # Siblings carry distinct tokens (top-k), so at most one child of an accepted node matches: a path.
-    expected = target_tokens.gather(1, tree.parents)
-    accepted = torch.zeros(bs, n, dtype=torch.bool, device=tree.tokens.device)
-    accepted[:, 0] = True
-    for d in range(1, max_depth + 1):
-        accepted |= (tree.depth == d) & accepted.gather(1, tree.parents) & (tree.tokens == expected)
+    dev = tree.tokens.device
+    # A node is accepted when it and each of its ancestors (the root aside) carry the target's choice at
+    # their parent. Siblings carry distinct tokens (top-k), so the accepted nodes form one root path.
+    match = tree.tokens == target_tokens.gather(1, tree.parents)
+    accepted = ~(tree.mask[:, :, 1:] & ~match[:, None, 1:]).any(-1)
     accept_len = accepted.sum(1)
-    cols = []
-    for d in range(max_depth + 1):
-        hit = accepted & (tree.depth == d)
-        node = hit.int().argmax(1)
-        cols.append(torch.where(hit.any(1), node, cols[-1]) if d else node)
-    path = torch.stack(cols, dim=1)
-    bonus = target_tokens.gather(1, path[:, -1:])
-    draft_part = tree.tokens.gather(1, path[:, 1:])
-    j = torch.arange(max_depth + 1, device=path.device)
-    new_tokens = torch.where(j[None, :] < (accept_len - 1)[:, None],
-                             torch.cat([draft_part, bonus], dim=1), bonus)
-    node_idx = torch.arange(n, device=path.device)
-    order = torch.where(accepted, tree.depth, n + node_idx).argsort(dim=1)
+    order = torch.where(accepted, tree.depth, n + torch.arange(n, device=dev)).argsort(dim=1)
+    last = order.gather(1, (accept_len - 1)[:, None])  # the deepest accepted node
+    j = torch.arange(max_depth + 1, device=dev)
+    head = order[:, :max_depth + 1]
+    if head.shape[1] <= max_depth:  # fewer nodes than levels: a path is at most n nodes long
+        head = torch.cat([head, last.expand(bs, max_depth + 1 - n)], 1)
+    path = torch.where(j < accept_len[:, None], head, last)
+    bonus = target_tokens.gather(1, last)
+    new_tokens = torch.where(j < (accept_len - 1)[:, None], torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus], 1),
+                             bonus)
     return Acceptance(accept_len, path, new_tokens, order)

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                          dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True)
-    print(f"built engine and captured {len(pool.keys.keys)} graphs in {time.perf_counter() - t0:.1f} s "
+    print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend)", flush=True)
     roofline = roofline_table(cfg, spec, args.concurrency, key_len(engine.max_context, 1))
     print(roofline, flush=True)

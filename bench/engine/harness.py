@@ -24,6 +24,6 @@ def build(cfg: ModelConfig, spec: SpecConfig, batch_sizes: list[int], prompt_len
     pool = engine.build_pool(sorted(batch_sizes), sorted(prefill), backend)
     started = time.perf_counter()
     pool.capture(engine.step, progress=progress)
-    log.info("captured %d graphs in %.1f s (%s backend)", len(pool.keys.keys), time.perf_counter() - started,
+    log.info("captured %d graphs in %.1f s (%s backend)", len(pool.graph_keys), time.perf_counter() - started,
              pool.stats.backend)
     return engine, pool

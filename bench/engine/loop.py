@@ -92,7 +92,7 @@ class DecodeLoop:
             raise ValueError(f"variant {variant!r} needs a SpeculationPolicy")
         self.engine, self.pool, self.variant, self.policy = engine, pool, variant, policy
         self.h2d = HostToDevice(engine.device, max(2 * engine.rows.num_rows, engine.rows.num_rows * (engine.prompt_len + 1)))
-        self._prefill_max = max(pool.keys.sizes["prefill"])
+        self._prefill_max = max(pool.batch_sizes["prefill"])
 
     def _mode(self, bs: int) -> str:
         if self.variant == "plain":
@@ -147,7 +147,7 @@ class DecodeLoop:
                 acc = self.pool.run("verify", **inputs).cpu().numpy()  # the one host sync of a step
                 draft_len = lens.copy()
             elif self.variant == "dynamic_eager_plain":
-                self.engine.step(StepBatch(self.pool.keys.modes["decode"], bs, bs, inputs, captured=False))
+                self.engine.step(StepBatch(self.pool.modes["decode"], bs, bs, inputs, captured=False))
                 acc = np.ones(bs, np.int64)
                 mode = "eager_decode"
             else:

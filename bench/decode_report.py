@@ -90,6 +90,7 @@ def plot(results: dict, cs: list[int], path: Path, title: str = "", gpu: bool = 
     None without matplotlib."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -102,7 +103,7 @@ def plot(results: dict, cs: list[int], path: Path, title: str = "", gpu: bool = 
             ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(cs, [str(c) for c in cs])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the swept C are the ticks
     ax.set_xlabel("concurrency C (requests in flight)")
     ax.set_ylabel("output tokens/s")
     ax.set_title((title or "decode loop throughput") + ("" if gpu else "\nCPU smoke run: eager twin, no CUDA graphs"))

@@ -49,7 +49,7 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
   pip_install "$TORCH_CUDA"
 else
   echo "quickstart: no NVIDIA GPU: installing the CPU build of $TORCH_CPU" \
-       "(${TORCH_CPU_INDEX:-pip's default index})"
+       "(from ${TORCH_CPU_INDEX:-the default index of pip})"
   pip_install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"} "$TORCH_CPU"
 fi
 if ! has triton; then
@@ -64,9 +64,17 @@ missing=$(for module in pytest numpy matplotlib ninja; do has "$module" || echo 
 if [ -n "$missing" ]; then
   echo "quickstart: missing $missing: installing graphpool (editable) with its dev extra"
   pip_install -e ".[dev]"
+elif ! (cd / && "$PY" -c "import graphpool" >/dev/null 2>&1); then
+  # Everything else is there (a prepared GPU box, maybe without network): link this checkout into the
+  # environment without downloading anything. If even that fails, graphpool still runs from here.
+  echo "quickstart: pytest, numpy, matplotlib and ninja are installed; installing graphpool itself" \
+       "(editable, nothing downloaded)"
+  if ! log=$("$PY" -m pip install -qq --no-deps --no-build-isolation -e . 2>&1); then
+    echo "quickstart: graphpool was not installed ($(printf '%s\n' "$log" | tail -n 1));" \
+         "it runs from this checkout all the same"
+  fi
 else
-  echo "quickstart: pytest, numpy, matplotlib and ninja are installed: nothing more to install" \
-       "(graphpool runs from this checkout; \`pip install -e .\` makes it importable elsewhere)"
+  echo "quickstart: graphpool and everything it needs are installed"
 fi
 echo "quickstart: set-up done in $((SECONDS - started)) s"
 [ "$setup_only" = 1 ] && exit 0

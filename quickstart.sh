@@ -53,7 +53,7 @@ else
   pip_install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"} "$TORCH_CPU"
 fi
 if ! has triton; then
-  if "$PY" -c 'import torch, sys; sys.exit(torch.version.cuda is None)'; then
+  if "$PY" -c 'import torch, sys; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
     echo "quickstart: this CUDA build of torch came without Triton: installing it"
     pip_install "triton"
   else

@@ -10,7 +10,7 @@ measured for four ways of running the steps:
 
 Writes JSON and a PNG plot (to the ignored folder out/ unless --out names another) and prints a table
 last. On a CPU it is a smoke run of the code path: a tiny model on the pool's eager twin (no CUDA graphs),
-about 15 s on 2 cores; it times nothing worth comparing, so it fixes the speculation threshold instead of
+about 20 s on 2 cores; it times nothing worth comparing, so it fixes the speculation threshold instead of
 choosing it from the timings and draws no crossover, threshold or roofline conclusion.
 
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
@@ -69,7 +69,8 @@ from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa
 from bench.engine.costs import roofline_table, total_params  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
-from bench.decode_report import LABELS, check_targets, explain, plot, table  # noqa: E402
+from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, check_targets, count,  # noqa: E402
+                                 explain, plot, table)
 from graphpool import SpeculationPolicy  # noqa: E402
 
 log = logging.getLogger("decode_loop")
@@ -209,28 +210,6 @@ def cpu_threshold(cs: list[int]) -> tuple[int, int]:
     take both modes (speculating there, plain above), whatever the eager twin's timings say."""
     off = min(cs)
     return off, off
-
-
-def count(n: float) -> str:
-    """A parameter count with a unit a person reads at a glance: 1.75 B, 12.3 M, 840 k."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f}"
-
-
-ROOFLINE_LEGEND = explain(
-    "C: sequences per step. plain / spec GFLOP, GB: work and bytes moved by one plain decode step / one "
-    "speculative step (draft passes + verify of 16 tokens per sequence); ms: their roofline time on an H200 "
-    "(max of compute and memory time, no kernel overheads). break-even A: tokens a verify step must commit per "
-    "sequence for speculation to match plain decode (spec ms / plain ms).")
-
-STATS_LEGEND = (
-    "mode: decode (1 token per sequence), verify (speculation: {verify} tokens per sequence), prefill (the "
-    "prompt of newly admitted requests, {prefill} tokens per sequence, batch sizes up to 8). bs: the graph's "
-    "batch size. capture ms: its capture (warm-up included). graph MiB: memory it added to the shared pool{mib}. "
-    "replays: steps it served. padded rows: token rows filled with padding because fewer sequences than bs "
-    "came.")
 
 
 def match_rate(a: dict, b: dict) -> dict:

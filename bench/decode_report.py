@@ -21,6 +21,28 @@ def explain(text: str) -> str:
     return textwrap.fill(text, width=110, initial_indent="  ", subsequent_indent="  ")
 
 
+def count(n: float) -> str:
+    """A parameter count with a unit a person reads at a glance: 1.75 B, 12.3 M, 840 k."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+ROOFLINE_LEGEND = explain(
+    "C: sequences per step. plain / spec GFLOP, GB: work and bytes moved by one plain decode step / one "
+    "speculative step (draft passes + verify of 16 tokens per sequence); ms: their roofline time on an H200 "
+    "(max of compute and memory time, no kernel overheads). break-even A: tokens a verify step must commit per "
+    "sequence for speculation to match plain decode (spec ms / plain ms).")
+
+STATS_LEGEND = (
+    "mode: decode (1 token per sequence), verify (speculation: {verify} tokens per sequence), prefill (the "
+    "prompt of newly admitted requests, {prefill} tokens per sequence, batch sizes up to 8). bs: the graph's "
+    "batch size. capture ms: its capture (warm-up included). graph MiB: memory it added to the shared pool{mib}. "
+    "replays: steps it served. padded rows: token rows filled with padding because fewer sequences than bs "
+    "came.")
+
+
 def _tps(results: dict, v: str, c: int) -> float | None:
     r = results.get((v, c))
     return r["tokens_per_s"] if r else None

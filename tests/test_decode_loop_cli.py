@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 from bench import decode_loop
@@ -35,8 +34,7 @@ def test_cli_tiny_cpu_run_writes_json_png_and_table(tmp_path, capsys):
 def test_default_output_goes_to_the_ignored_out_folder():
     args = decode_loop.parse_args([])
     assert Path(args.out) == decode_loop.ROOT / "out" / "decode_loop"
-    ignored = subprocess.run(["git", "check-ignore", "-q", args.out + ".json"], cwd=decode_loop.ROOT)
-    assert ignored.returncode == 0, "out/ must be ignored by git"
+    assert "/out/" in (decode_loop.ROOT / ".gitignore").read_text().split(), "out/ must be ignored by git"
 
 
 def test_gpu_table_explains_ratio_columns_and_marks():

@@ -90,3 +90,18 @@ def test_gpu_run_times_every_method_and_prints_the_gpu_floor(tmp_path, capsys):
             assert rows[mode, bs, "floor"]["gpu_us"] > 0 and rows[mode, bs, "graphpool"]["gpu_us"] > 0
             assert rows[mode, bs, "graphpool"]["token_match"] > 0.9
     assert "GPU us per step" in text and "gpool-floor" in text and "CUDA graphs on" in data["env"]["runs_on"]
+
+
+def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_column():
+    from bench.replay_report import GRAPH_METHODS, summary
+    modes = [gp.Mode("decode", 1)]
+    rows = [{"mode": "decode", "bs": 1, "method": m, "stage_us": 2.0, "replay_us": 5.0 + i, "host_us": 7.0 + i,
+             "gpu_us": 100.0 + i, "token_match": 1.0} for i, m in enumerate(GRAPH_METHODS + ["eager"])]
+    text = summary(rows, modes, [1], cuda=True, misses=0)
+    flat = " ".join(text.split())
+    gpu_line = text.splitlines()[text.splitlines().index("GPU us per step (median, CUDA events around staging + replay)") + 2]
+    # floor 100.0, graphpool 101.0: the difference 1.0 is printed beside them
+    assert gpu_line.split() == ["decode", "1", "100.0", "101.0", "1.0", "104.0", "1.00"]
+    for column in ("floor:", "gpool:", "gp+prep:", "triton:", "sglang:", "foreach:", "g-pad:", "eager:",
+                   "gp stage:", "gp ovh, sgl ovh:", "ratio:", "gpool-floor:", "match:"):
+        assert column in flat, column

@@ -8,8 +8,10 @@ measured for four ways of running the steps:
   (iii) dynamic     SpeculationPolicy picks per step; both modes replayed from graphs (graphpool)
   (iv)  dyn-eager   the same choice, but plain steps run eagerly (a runner with verify graphs only)
 
-Writes JSON and a PNG plot and prints a table last. On a CPU it runs a tiny model on the pool's eager
-twin (no CUDA graphs), in well under a minute: the numbers then show the loop works, not GPU speed.
+Writes JSON and a PNG plot (to the ignored folder out/ unless --out names another) and prints a table
+last. On a CPU it is a smoke run of the code path: a tiny model on the pool's eager twin (no CUDA graphs),
+about 20 s on 2 cores; it times nothing worth comparing, so it fixes the speculation threshold instead of
+choosing it from the timings and draws no crossover, threshold or roofline conclusion.
 
     python bench/decode_loop.py            # tiny on CPU (eager twin), or the full sweep on a GPU
     python bench/decode_loop.py --quick    # a shorter GPU sweep
@@ -21,6 +23,7 @@ or the engine's torch gather + SDPA (``torch``, the CPU path); ``flashinfer-refe
 in-graph metadata with the attention math in torch (CPU, float32 checks). ``--kernels`` picks the fused
 Triton norms/rotary/SwiGLU (default on CUDA) or plain torch; ``--run-ahead`` how many verify steps the host
 may queue before reading their accept lengths. The last lines are issue 11's acceptance checks (PASS/FAIL).
+    python bench/decode_loop.py --out bench/results/decode_loop   # a run to record (bench/RESULTS.md)
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
@@ -60,7 +63,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
@@ -71,7 +75,8 @@ from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
-from bench.decode_report import LABELS, acceptance, acceptance_lines, check_targets, plot, table  # noqa: E402
+from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, acceptance, acceptance_lines,  # noqa: E402
+                                 check_targets, count, explain, plot, table)
 from graphpool import SpeculationPolicy  # noqa: E402
 
 log = logging.getLogger("decode_loop")
@@ -110,14 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=None, help=f"comma list (default GPU {FULL_C}, CPU {CPU_C})")
     p.add_argument("--quick", action="store_true", help=f"C in {QUICK_C} and fewer steps")
     p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 10 CPU)")
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 8 CPU)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 3 GPU, 1 CPU)")
     p.add_argument("--min-seconds", type=float, default=None,
                    help="each timed window lasts at least this long (default 0: windows end after --steps, so "
                         "every variant sees the same arrivals)")
     p.add_argument("--threshold", default="auto",
-                   help="speculate at batch sizes <= this; 'auto' picks it from this run's plain and spec "
-                        "figures (the crossover; see choose_threshold) and resumes at the swept C below it")
+                   help="speculate at batch sizes <= this; 'auto' picks it on a GPU from this run's plain and "
+                        "spec figures (the crossover; see choose_threshold) and resumes at the swept C below it; "
+                        "on a CPU 'auto' fixes it at the smallest C (eager-twin timings choose nothing)")
     p.add_argument("--prompt-len", type=int, default=None, help="default: the size's preset")
     p.add_argument("--min-new", type=int, default=None, help="default: the size's preset")
     p.add_argument("--max-new", type=int, default=None, help="default: the size's preset")
@@ -135,7 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--identity-check", action="store_true",
                    help="after the sweep, check in float32 that spec and dynamic outputs equal plain decoding")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/decode_loop", help="output prefix (.json and .png)")
+    p.add_argument("--out", default=str(ROOT / "out" / "decode_loop"),
+                   help="output prefix (.json and .png); default out/decode_loop in the checkout (ignored by git); "
+                        "recorded runs name bench/results/... explicitly")
     p.add_argument("-v", "--verbose", action="store_true")
     add_tp_arguments(p)
     return p.parse_args(argv)
@@ -153,7 +161,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     else:
         args.concurrency = (QUICK_C if args.quick else FULL_C) if gpu else CPU_C
     preset = PRESETS[args.size]
-    args.steps = args.steps or ((40 if args.quick else 80) if gpu else 10)
+    args.steps = args.steps or ((40 if args.quick else 80) if gpu else 8)
+    args.warmup_steps = (3 if gpu else 1) if args.warmup_steps is None else args.warmup_steps
     args.min_seconds = args.min_seconds or 0.0
     args.prompt_len = args.prompt_len or preset.prompt_len
     args.min_new = args.min_new or preset.min_new
@@ -211,6 +220,13 @@ def choose_threshold(results: dict, cs: list[int]) -> tuple[int, int]:
     return off, max([c for c in measured if c < off], default=off)
 
 
+def cpu_threshold(cs: list[int]) -> tuple[int, int]:
+    """A CPU smoke run's fixed ``(off_above, on_at_or_below)``: the smallest swept C, so the dynamic runs
+    take both modes (speculating there, plain above), whatever the eager twin's timings say."""
+    off = min(cs)
+    return off, off
+
+
 def match_rate(a: dict, b: dict) -> dict:
     """Requests with output in both runs, compared over the tokens both produced (runs stop mid-request):
     the share of requests whose common prefix is identical, and the share of equal tokens."""
@@ -243,10 +259,13 @@ def run(tp, args: argparse.Namespace) -> int:
     spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
                       draft_noise=args.draft_noise)
     gpu = args.device.startswith("cuda")
-    params = total_params(cfg)
+    if not gpu:
+        print("decode_loop: CPU smoke run of the code path: graphpool's eager twin calls the step functions "
+              "(no CUDA graphs), so the timings below are not a speed measurement and no crossover, threshold "
+              "or roofline conclusion is drawn from them. Run on a CUDA GPU for those.", flush=True)
     print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
-          f"{cfg.intermediate_size}, {params / 1e9:.2f} B parameters) in {args.dtype} on {args.device}"
-          + ("" if gpu else " using graphpool's eager twin (no CUDA graphs on CPU)")
+          f"{cfg.intermediate_size}, {count(total_params(cfg))} parameters) in {args.dtype} on {args.device}"
+          + ("" if gpu else " (eager twin)")
           + (f", tensor parallel over {tp.size} ranks" if tp is not None else "")
           + f"; C in {args.concurrency}; draft tree topk {spec.topk} x steps {spec.steps}, "
           f"{spec.num_draft_tokens} tokens verified per sequence; draft noise {spec.draft_noise}; "
@@ -260,10 +279,11 @@ def run(tp, args: argparse.Namespace) -> int:
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, run-ahead "
           f"{args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
-    roofline = roofline_table(cfg, spec, args.concurrency, keys)
+    roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
                    for c in args.concurrency}
-    print(roofline, flush=True)
+    if roofline:
+        print(roofline + "\n" + ROOFLINE_LEGEND, flush=True)
     results: dict = {}
     first = [v for v in args.variants if not v.startswith("dynamic")]
     second = [v for v in args.variants if v.startswith("dynamic")]
@@ -271,38 +291,47 @@ def run(tp, args: argparse.Namespace) -> int:
     threshold = resume = None
     for phase in (first, second):
         if phase is second and phase:
-            if args.threshold == "auto":
+            if args.threshold != "auto":
+                threshold = resume = int(args.threshold)
+                how = "(--threshold)"
+            elif gpu:
                 threshold, resume = choose_threshold(results, args.concurrency)
                 if tp is not None:  # chosen from rank-local timings: every rank must use rank 0's choice
                     threshold, resume = tp.broadcast((threshold, resume))
+                how = f"(from this run; spec beat plain up to C = {crossover(results, args.concurrency)})"
             else:
-                threshold = resume = int(args.threshold)
-            print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume}"
-                  + (f" (from this run; spec beat plain up to C = {crossover(results, args.concurrency)})"
-                     if args.threshold == "auto" else ""), flush=True)
+                threshold, resume = cpu_threshold(args.concurrency)
+                how = "(fixed at the smallest C on CPU, so dynamic runs both modes; not chosen from timings)"
+            print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume} {how}",
+                  flush=True)
         for c in args.concurrency:
             for v in phase:
                 policy = SpeculationPolicy(threshold, resume) if v.startswith("dynamic") else None
                 r = results[(v, c)] = run_variant(engine, pool, v, c, args, policy)
                 done += 1
-                print(f"[{done}/{total}] {LABELS[v]:<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps {r['steps']}"
+                steps = ", ".join(f"{n} {k}" for k, n in r["steps"].items() if n)
+                print(f"[{done}/{total}] {LABELS[v]:<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps: {steps}"
                       f"  accept {r['mean_accept'] or float('nan'):.2f}  misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
     for (v, c), r in results.items():
         if v != "plain" and ("plain", c) in results:
             r["match_vs_plain"] = match_rate(results[("plain", c)]["outputs"], r["outputs"])
     rows = [{k: val for k, val in r.items() if k != "outputs"} for r in results.values()]
-    checks = check_targets(results, args.concurrency)
+    checks = check_targets(results, args.concurrency) if gpu else [
+        {"concurrency": c, "misses": sum(results[(v, c)]["graph_misses"] for v in LABELS if (v, c) in results)}
+        for c in args.concurrency]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
+            "runs_on": "cuda graphs" if pool.stats.backend == "cuda" else "eager twin (smoke run, no speed measurement)",
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
-            "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines(),
-            "crossover": crossover(results, args.concurrency),
+            "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines() if roofline else None,
+            "crossover": crossover(results, args.concurrency) if gpu else None,
             "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                             "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
+    modes = pool.modes
     identity = None
     if args.identity_check:
         if tp is not None:
@@ -322,11 +351,14 @@ def run(tp, args: argparse.Namespace) -> int:
                                                         "identity": identity, "acceptance": passed}, indent=1,
                                                        default=str))
         png = plot(results, args.concurrency, out.with_suffix(".png"),
-                   title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""))
+                   title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""),
+                   gpu=gpu)
         print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
     print(meta["graph_table"])
+    print(explain(STATS_LEGEND.format(verify=modes["verify"].tokens_per_seq, prefill=modes["prefill"].tokens_per_seq,
+                                      mib="" if gpu else " (0 on the eager twin: no graphs)")))
     note = ""
-    if threshold is not None:
+    if threshold is not None and gpu:
         seen = (f"spec beat plain up to C = {meta['crossover']}" if meta["crossover"] else "spec never beat plain")
         chosen = (f"dynamic speculated at batch size <= {threshold} (back on at <= {resume})" if threshold
                   else "dynamic decoded plainly at every batch size")
@@ -337,6 +369,14 @@ def run(tp, args: argparse.Namespace) -> int:
     if gpu:
         print(f"acceptance (issue 11), {meta['attention']} attention, {kernels} kernels:")
         print(acceptance_lines(passed))
+    else:
+        steps = sum(sum(r["steps"].values()) for r in results.values())
+        misses = sum(row["misses"] for row in checks)
+        matched = [r["match_vs_plain"]["identical"] for (v, _), r in results.items()
+                   if v.startswith("dynamic") and r.get("match_vs_plain", {}).get("identical") is not None]
+        print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {steps} timed steps over "
+              f"{len(results)} runs, {misses} graph misses; dynamic runs identical to plain decode in "
+              f"{sum(m == 1.0 for m in matched)} of {len(matched)}. Speed, crossover and targets: run on a CUDA GPU.")
     return 0
 
 

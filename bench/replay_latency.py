@@ -4,7 +4,9 @@ For every (mode, bs) it reports capture time and graph bytes, and for each metho
 staging and of replay (median over iterations, GPU idle at the start of each, so the host cost is seen
 alone) and the GPU time of the whole step (CUDA events). Methods:
 
-  floor            raw ``CUDAGraph.replay()`` on buffers staged beforehand (the least any method can cost)
+  floor            the same step's graph without staging (a pool with ``staging="torch"``), replayed with
+                   ``pool.graph(mode, bs).replay()`` on buffers staged once beforehand: the least any
+                   method can cost, on the host and on the GPU
   graphpool        ``pool.run``: validate, route, write the ring row; the graph's first node stages
   graphpool+prep   ring staging as its own small graph, then a (no-op) prepare hook, then the step graph
   triton-launch    the same staging kernel launched eagerly from Python, then the step graph
@@ -13,8 +15,12 @@ alone) and the GPU time of the whole step (CUDA events). Methods:
   graph-pad        the same grouped copies of the real rows plus a device-side count; the graph pads
   eager            the step run eagerly, no graph
 
+On a CPU only graphpool (on its eager twin) and eager run, with fewer iterations and batch sizes (said on
+screen): a smoke run of the code path, not a speed measurement.
+
 Usage: ``python bench/replay_latency.py`` (embedded default step), ``--step my_module:make`` for your own
-(``make(device, max_tokens) -> bench.default_step.BenchStep``). Writes JSON, CSV and PNG plots to --out.
+(``make(device, max_tokens) -> bench.default_step.BenchStep``). Writes JSON, CSV and a PNG plot to --out
+(default: out/replay_latency in the checkout, ignored by git; recorded runs name bench/results/ explicitly).
 """
 from __future__ import annotations
 
@@ -31,26 +37,44 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere
 import graphpool as gp  # noqa: E402
 from bench import default_step  # noqa: E402
+from bench.replay_report import GRAPH_METHODS, explain, plot, summary  # noqa: E402
+from bench.staging_methods import EagerTritonStage, padding_in_graph, sglang_style  # noqa: E402
 
 log = logging.getLogger("replay_latency")
-GRAPH_METHODS = ["floor", "graphpool", "graphpool+prep", "triton-launch", "sglang", "foreach", "graph-pad"]
+GPU_DEFAULTS = {"iters": 200, "warmup": 20, "batch_sizes": "1,2,4,8,16,32,64"}
+CPU_DEFAULTS = {"iters": 10, "warmup": 2, "batch_sizes": "1,2,4,8"}  # the eager twin: a smoke run, < 1 minute
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--modes", default="decode:1,verify:16", help="name:tokens_per_seq list (default %(default)s)")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="captured sizes (default %(default)s)")
-    p.add_argument("--iters", type=int, default=200, help="timed iterations per method and key")
-    p.add_argument("--warmup", type=int, default=20, help="untimed iterations first")
+    p.add_argument("--batch-sizes", default=None,
+                   help=f"captured sizes (default GPU {GPU_DEFAULTS['batch_sizes']}, CPU {CPU_DEFAULTS['batch_sizes']})")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed iterations per method and key (default GPU {GPU_DEFAULTS['iters']}, CPU {CPU_DEFAULTS['iters']})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed iterations first (default GPU {GPU_DEFAULTS['warmup']}, CPU {CPU_DEFAULTS['warmup']})")
     p.add_argument("--step", default=None, help="module:factory of your own step (default: embedded step)")
-    p.add_argument("--out", default="out/replay_latency", help="output folder for JSON, CSV and PNG")
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "replay_latency"),
+                   help="output folder for JSON, CSV and PNG (default: out/replay_latency in the checkout)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (eager twin)")
     return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """Fill the device-dependent defaults; returns the names of those a CPU run shrank."""
+    defaults, shrunk = (GPU_DEFAULTS if cuda else CPU_DEFAULTS), []
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+            shrunk += [] if cuda else [name]
+    return shrunk
 
 
 def load_step(spec: str | None) -> Callable[..., default_step.BenchStep]:
@@ -100,48 +124,8 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
                    "gpu_us": med(gp) if gp else float("nan")} for name, (st, rp, gp) in samples.items()}
 
 
-def padding_in_graph(step_fn: Callable, specs: list[gp.StepInput], count: torch.Tensor) -> Callable:
-    """``step_fn`` preceded, inside the graph, by padding every input past a device-side count of real
-    sequences: the host then only copies the real rows and sets the count."""
-    def padded(batch: gp.StepBatch) -> object:
-        for spec in specs:
-            view = batch.inputs[spec.name]
-            rows_per_seq = batch.mode.tokens_per_seq if spec.per == "token" else 1
-            pad = torch.arange(view.shape[0], device=view.device) >= count * rows_per_seq
-            view.masked_fill_(pad.view(-1, *[1] * (view.dim() - 1)), spec.fill)
-        return step_fn(batch)
-    return padded
-
-
-def sglang_style(pool: gp.GraphPool, grouped: bool, fills: bool = True) -> Callable:
-    """Staging as SGLang's runner does it: fills of the padded tails, then copies of the real rows."""
-    buf = pool.buffers.full
-    names = [s.name for s in pool.buffers.specs]
-
-    def stage(mode: gp.Mode, padded: int, inputs: dict[str, torch.Tensor]) -> None:
-        raw_bs = inputs["seq_lens"].shape[0]
-        if fills and padded != raw_bs:
-            buf["seq_lens"].fill_(1)
-            buf["out_cache_loc"].zero_()
-            buf["out_cache_loc_swa"].zero_()
-        dsts = [buf[n][: inputs[n].shape[0]] for n in names]
-        srcs = [inputs[n] for n in names]
-        if not grouped:
-            for d, s in zip(dsts, srcs):
-                d.copy_(s)
-            return
-        groups: dict[torch.dtype, tuple[list, list]] = {}
-        for d, s in zip(dsts, srcs):
-            groups.setdefault(d.dtype, ([], []))
-            groups[d.dtype][0].append(d)
-            groups[d.dtype][1].append(s)
-        for d, s in groups.values():
-            torch._foreach_copy_(d, s)
-    return stage
-
-
-def bench_key(pools: dict[str, gp.GraphPool], pad_count: torch.Tensor | None, step: default_step.BenchStep,
-              mode: gp.Mode, bs: int, args: argparse.Namespace, cuda: bool) -> dict[str, dict[str, float]]:
+def bench_key(pools: dict[str, gp.GraphPool], extras: dict, step: default_step.BenchStep, mode: gp.Mode, bs: int,
+              args: argparse.Namespace, cuda: bool) -> dict[str, dict[str, float]]:
     inputs = step.sample(mode, bs)
     name = mode.name
     ring_pool = pools["graphpool"]
@@ -151,20 +135,12 @@ def bench_key(pools: dict[str, gp.GraphPool], pad_count: torch.Tensor | None, st
         "eager": (lambda: None, lambda _: step.step_fn(eager_batch)),
     }
     if cuda:
-        prep_pool, plain = pools["graphpool+prep"], pools["plain"]
-        ring, key, prep_graph = prep_pool._ring, gp.GraphKey(name, bs), prep_pool.graph(name, bs)
-        pointers = [inputs[s.name].data_ptr() for s in prep_pool.buffers.specs]
-
-        def triton_stage() -> None:
-            ring.write(ring.next_row(), bs, pointers)
-            ring.launch(key)
-            ring.issued += 1
-
-        graph = plain.graph(name, bs)
+        prep_pool, plain, pad_pool = pools["graphpool+prep"], pools["plain"], pools["graph-pad"]
+        graph, pad_graph = plain.graph(name, bs), pad_pool.graph(name, bs)
         plain.run(name, **inputs)  # stage once: the floor replays on buffers that already hold the step
-        sglang, foreach = sglang_style(plain, grouped=False), sglang_style(plain, grouped=True)
-        pad_copy = sglang_style(pools["graph-pad"], grouped=True, fills=False)
-        pad_graph = pools["graph-pad"].graph(name, bs)
+        sglang, foreach = extras["sglang"], extras["foreach"]
+        pad_copy, pad_count = extras["pad_copy"], extras["pad_count"]
+        triton_stage = extras["triton"].stager(mode, bs, inputs)
 
         def copy_and_count() -> None:
             pad_copy(mode, bs, inputs)
@@ -172,12 +148,17 @@ def bench_key(pools: dict[str, gp.GraphPool], pad_count: torch.Tensor | None, st
         methods.update({
             "floor": (lambda: None, lambda _: graph.replay()),
             "graphpool+prep": (lambda: prep_pool.stage(name, **inputs), prep_pool.replay),
-            "triton-launch": (triton_stage, lambda _: prep_graph.replay()),
+            "triton-launch": (triton_stage, lambda _: graph.replay()),
             "sglang": (lambda: sglang(mode, bs, inputs), lambda _: graph.replay()),
             "foreach": (lambda: foreach(mode, bs, inputs), lambda _: graph.replay()),
             "graph-pad": (copy_and_count, lambda _: pad_graph.replay()),
         })
     return timed(methods, args.iters, args.warmup, cuda)
+
+
+def key_stats(pool: gp.GraphPool, mode: str, bs: int) -> gp.KeyStats:
+    """The pool's figures for graph (mode, bs)."""
+    return next(s for key, s in pool.stats.keys.items() if (key.mode, key.bs) == (mode, bs))
 
 
 def check_against_eager(pool: gp.GraphPool, step: default_step.BenchStep, mode: gp.Mode, bs: int) -> float:
@@ -188,32 +169,17 @@ def check_against_eager(pool: gp.GraphPool, step: default_step.BenchStep, mode: 
     return (got == want).float().mean().item()
 
 
-def plot(rows: list[dict], modes: list[gp.Mode], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        for method in sorted({r["method"] for r in rows}):
-            pts = sorted((r["bs"], r["host_us"]) for r in rows if r["mode"] == mode.name and r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="host us per step (median)",
-               title=f"{mode.name} ({mode.tokens_per_seq} token/seq)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    shrunk = resolve(args, cuda)
     if not cuda:
-        print("No CUDA device: running the eager twin. Graph timings (floor, graphpool replay, SGLang-style "
-              "staging) need CUDA; the numbers below only exercise the code path.", file=sys.stderr)
+        fewer = ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)} (GPU {GPU_DEFAULTS[n]})" for n in shrunk)
+        print("replay_latency: CPU smoke run of the code path: no CUDA device, so graphpool runs on its eager twin "
+              "and only the graphpool and eager methods run; the timings are not a speed measurement."
+              + (f" Fewer iterations and sizes than on a GPU: {fewer}." if shrunk else ""), flush=True)
     modes = [gp.Mode(n, int(t)) for n, t in (m.split(":") for m in args.modes.split(","))]
     sizes = sorted(int(b) for b in args.batch_sizes.split(","))
     max_tokens = max(m.tokens_per_seq for m in modes) * sizes[-1]
@@ -229,16 +195,22 @@ def main(argv: list[str] | None = None) -> int:
         log.info("capturing %s pool ...", name)
         fn = padding_in_graph(step.step_fn, step.inputs, pad_count) if name == "graph-pad" else step.step_fn
         pool.capture(fn, prepare=(lambda b, n: None) if name == "graphpool+prep" else None)
+    extras: dict = {}
+    if cuda:
+        extras = {"sglang": sglang_style(pools["plain"], step.inputs, grouped=False),
+                  "foreach": sglang_style(pools["plain"], step.inputs, grouped=True),
+                  "pad_copy": sglang_style(pools["graph-pad"], step.inputs, grouped=True, fills=False),
+                  "pad_count": pad_count, "triton": EagerTritonStage(pools["plain"], step.inputs)}
 
     rows: list[dict] = []
     total = len(modes) * len(sizes)
     for i, (mode, bs) in enumerate([(m, b) for m in modes for b in sizes], 1):
         log.info("[%d/%d] timing %s bs=%d", i, total, mode.name, bs)
-        key_stats = pools["graphpool"].stats.keys[gp.GraphKey(mode.name, bs)]
+        stats = key_stats(pools["graphpool"], mode.name, bs)
         match = check_against_eager(pools["graphpool"], step, mode, bs)
-        for method, r in bench_key(pools, pad_count, step, mode, bs, args, cuda).items():
-            rows.append({"mode": mode.name, "bs": bs, "method": method, **r, "capture_ms": key_stats.capture_s * 1e3,
-                         "graph_mib": key_stats.graph_bytes / 2**20, "token_match": match})
+        for method, r in bench_key(pools, extras, step, mode, bs, args, cuda).items():
+            rows.append({"mode": mode.name, "bs": bs, "method": method, **r, "capture_ms": stats.capture_s * 1e3,
+                         "graph_mib": stats.graph_bytes / 2**20, "token_match": match})
 
     # Every real batch size up to the largest captured one must be a graph hit.
     for mode in modes:
@@ -247,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     misses = sum(sum(p.stats.misses.values()) for p in pools.values())
 
     os.makedirs(args.out, exist_ok=True)
+    what_ran = (f"CUDA graphs on {torch.cuda.get_device_name(device)}" if cuda else
+                "CPU smoke run on graphpool's eager twin (no CUDA graphs): not a speed measurement")
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "triton": _version("triton"), "argv": sys.argv[1:], "misses": misses,
+           "triton": _version("triton"), "argv": sys.argv[1:] if argv is None else argv, "misses": misses,
+           "runs_on": what_ran, "iters": args.iters, "warmup": args.warmup,
            "graph_mib_total": pools["graphpool"].stats.graph_bytes / 2**20}
     with open(os.path.join(args.out, "replay_latency.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
@@ -257,35 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     if not args.no_plots:
-        plot(rows, modes, os.path.join(args.out, "replay_latency.png"))
+        plot(rows, modes, sizes, os.path.join(args.out, "replay_latency.png"), what_ran)
+    print(f"wrote {args.out}/replay_latency.json, .csv" + ("" if args.no_plots else " and .png"))
     print(pools["graphpool"].stats.table())
+    print(explain("Per graph of the graphpool pool. mode, bs: the graph's key. capture ms: its capture (warm-up and, "
+                  "for the first, one-time compiles included). graph MiB: memory it added to the shared graph pool"
+                  + ("" if cuda else " (0 on the eager twin: no graphs)") + ". replays: steps it served (timing "
+                  "and checks). padded rows: token rows filled with padding because fewer sequences than bs came."))
     print(summary(rows, modes, sizes, cuda, misses))
     return 0
-
-
-def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool, misses: int) -> str:
-    get = {(r["mode"], r["bs"], r["method"]): r for r in rows}
-    if not cuda:
-        return "\n".join(f"{m.name:<8} bs={b:<4} graphpool(eager twin) {get[m.name, b, 'graphpool']['host_us']:8.1f} us"
-                         for m in modes for b in sizes)
-    head = (f"{'mode':<7}{'bs':>5}{'floor':>8}{'gpool':>8}{'gp+prep':>8}{'triton':>8}{'sglang':>8}{'foreach':>8}"
-            f"{'g-pad':>8}{'eager':>9}{'gp stage':>9}{'gp ovh':>8}{'sgl ovh':>8}{'ratio':>7}{'GPU us':>8}{'match':>7}")
-    lines, ok = ["host us per step (median); ovh = host above floor; ratio = gp ovh / sglang ovh", head], True
-    for m in modes:
-        for b in sizes:
-            h = {meth: get[m.name, b, meth]["host_us"] for meth in GRAPH_METHODS + ["eager"]}
-            gp_ovh, sgl_ovh = h["graphpool"] - h["floor"], h["sglang"] - h["floor"]
-            stage = get[m.name, b, "graphpool"]["stage_us"]
-            ratio = gp_ovh / sgl_ovh if sgl_ovh > 0 else float("inf")
-            ok &= ratio <= 0.1 and stage <= 10.0
-            lines.append(f"{m.name:<7}{b:>5}{h['floor']:>8.1f}{h['graphpool']:>8.1f}{h['graphpool+prep']:>8.1f}"
-                         f"{h['triton-launch']:>8.1f}{h['sglang']:>8.1f}{h['foreach']:>8.1f}{h['graph-pad']:>8.1f}{h['eager']:>9.1f}"
-                         f"{stage:>9.1f}{gp_ovh:>8.1f}{sgl_ovh:>8.1f}{ratio:>7.3f}"
-                         f"{get[m.name, b, 'graphpool']['gpu_us']:>8.1f}{get[m.name, b, 'graphpool']['token_match']:>7.2f}")
-    lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}")
-    lines.append(f"acceptance (ratio <= 0.1 and graphpool validate+route+stage <= 10 us at every key): "
-                 f"{'PASS' if ok and misses == 0 else 'FAIL'}")
-    return "\n".join(lines)
 
 
 def _version(module: str) -> str:

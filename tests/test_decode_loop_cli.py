@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench import decode_loop
 
@@ -16,8 +17,35 @@ def test_cli_tiny_cpu_run_writes_json_png_and_table(tmp_path, capsys):
     assert runs[("spec", 1)]["mean_accept"] > 1
     assert runs[("dynamic", 4)]["match_vs_plain"]["identical"] in (None, 1.0)
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert data["meta"]["threshold"] == 1 and data["meta"]["crossover"] is None  # fixed, not chosen on CPU
+    assert runs[("dynamic", 1)]["steps"]["verify"] > 0 and runs[("dynamic", 4)]["steps"]["decode"] > 0
     text = capsys.readouterr().out
-    assert "eager twin" in text and text.rstrip().splitlines()[-1].startswith("targets:")
+    assert "CPU smoke run of the code path" in text and "not a speed measurement" in text
+    assert text.rstrip().splitlines()[-1].startswith("CPU smoke run done")
+    # No conclusion from eager-twin timings: no roofline, no crossover, no target ratios.
+    assert "roofline (" not in text and "spec beat plain" not in text and "dyn/best" not in text
+    assert " k parameters" in text and "0.00 B" not in text
+    # Every column of the two tables is explained under it, the prefill mode too.
+    for word in ("mode:", "prefill (", "bs:", "capture ms:", "graph MiB:", "replays:", "padded rows:",
+                 "C:", "plain, spec, dynamic, dyn-eager:", "accept:", "match:", "'-':"):
+        assert word in " ".join(text.split()), word  # legends are wrapped
+
+
+def test_default_output_goes_to_the_ignored_out_folder():
+    args = decode_loop.parse_args([])
+    assert Path(args.out) == decode_loop.ROOT / "out" / "decode_loop"
+    assert "/out/" in (decode_loop.ROOT / ".gitignore").read_text().split(), "out/ must be ignored by git"
+
+
+def test_gpu_table_explains_ratio_columns_and_marks():
+    from bench.decode_report import check_targets, table
+    results = {(v, c): {"tokens_per_s": t, "mean_accept": 2.5 if v != "plain" else 0.0, "graph_misses": 0}
+               for c in (1, 32) for v, t in (("plain", 100.0), ("spec", 150.0), ("dynamic", 120.0),
+                                             ("dynamic_eager_plain", 100.0))}
+    text = table(results, [1, 32], check_targets(results, [1, 32]), gpu=True, policy_note="crossover: x")
+    flat = " ".join(text.split())
+    assert "0.80!" in text and "'!': that target missed" in flat and "dyn/eager:" in flat
+    assert text.splitlines()[-1].startswith("targets:") and "MISSED at C = [1, 32]" in text
 
 
 def test_help_exits_cleanly(capsys):

@@ -5,31 +5,43 @@ Import name ``graphpool.integrations.sglang``. Two SGLang API generations are se
 :mod:`.versions`): the classic ``CudaGraphRunner`` (0.5.9 to 0.5.13.post1; :class:`MultiModeCudaGraphRunner`)
 and the runner package (0.5.14 to 0.5.23; :class:`MultiModeDecodeRunner`). :func:`install` picks the one of
 the installed SGLang. See README.md beside this file for running a server with it.
+
+The names below load on first use, not when the package is imported: ``python -m
+graphpool.integrations.sglang.launch`` imports this package first, and without SGLang it must still get
+as far as its own one-line message saying what to install. A runner class of the other API generation
+than the installed SGLang's raises an ImportError that names both.
 """
+from __future__ import annotations
+
+import importlib
 from typing import Any
 
-from . import versions
-from .patch import install, installed, uninstall
-from .spec_switch import (SpeculationSwitch, install_speculation_switch, plain_decode_batch,
-                          uninstall_speculation_switch)
-from .support import capture_batch_sizes, unsupported_reasons
-
-__all__ = ["MultiModeCudaGraphRunner", "MultiModeDecodeRunner", "install", "uninstall", "installed", "MODE_NAMES",
-           "capture_batch_sizes", "unsupported_reasons", "SpeculationSwitch", "install_speculation_switch",
-           "uninstall_speculation_switch", "plain_decode_batch", "versions"]
-
-# The runner classes import their SGLang generation's modules: loaded on first use, with a clear error
-# when the installed SGLang has the other API.
-_LAZY = {"MultiModeCudaGraphRunner": (versions.CLASSIC, ".runner"), "MODE_NAMES": (None, ".common"),
-         "MultiModeDecodeRunner": (versions.RUNNER, ".runner_api")}
+# name -> (module, the SGLang API generation it needs: "classic", "runner" or None for either)
+_WHERE = {
+    "install": (".patch", None), "uninstall": (".patch", None), "installed": (".patch", None),
+    "versions": (".versions", None), "MODE_NAMES": (".common", None),
+    "MultiModeCudaGraphRunner": (".runner", "classic"), "MultiModeDecodeRunner": (".runner_api", "runner"),
+    "SpeculationSwitch": (".spec_switch", None), "install_speculation_switch": (".spec_switch", None),
+    "uninstall_speculation_switch": (".spec_switch", None), "plain_decode_batch": (".spec_switch", None),
+    "capture_batch_sizes": (".support", None), "unsupported_reasons": (".support", None),
+}
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    api, module = _LAZY[name]
-    if api is not None:
-        versions.require(api)
-    import importlib
+    module, api = _WHERE[name]
+    if name == "versions":
+        value = importlib.import_module(module, __name__)
+    else:
+        if api is not None:
+            versions = importlib.import_module(".versions", __name__)
+            versions.require(versions.CLASSIC if api == "classic" else versions.RUNNER)
+        value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-    return getattr(importlib.import_module(module, __name__), name)
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -30,6 +30,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 log = logging.getLogger(__name__)
 
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
+HELP = """graphpool's options (all other arguments go to SGLang's launch_server, listed below):
+  --graphpool-spec-off-above N       EAGLE v1: decode plainly once a decode batch has more than N sequences
+  --graphpool-spec-on-at-or-below M  speculate again at <= M sequences (default N; M < N: hysteresis)
+"""
 
 
 @dataclass(frozen=True)
@@ -119,13 +123,29 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
                          "without the overlap scheduler; add --disable-overlap-schedule")
 
 
+def sglang_missing_message(exc: ImportError) -> str:
+    """One line saying what to install, for an SGLang server that does not import."""
+    install = "pip install sglang==0.5.12.post1 (the full install, with its CUDA dependencies, on a CUDA machine)"
+    if (exc.name or "").split(".")[0] == "sglang":  # SGLang itself (or a part of it) is not there
+        return f"graphpool's SGLang launcher needs SGLang: {install}"
+    return (f"SGLang is installed but its server does not import ({type(exc).__name__}: {exc}); it needs "
+            f"SGLang's full dependencies: {install}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, install graphpool here and in every scheduler process, and run SGLang's HTTP server."""
-    options, rest = split_args(sys.argv[1:] if argv is None else argv)
-    from sglang.srt.entrypoints.http_server import launch_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        from sglang.srt.entrypoints.http_server import launch_server
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import prepare_server_args
+        from sglang.srt.utils import kill_process_tree
+    except ImportError as exc:
+        print(sglang_missing_message(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+    if "-h" in argv or "--help" in argv:
+        print(HELP)  # graphpool's options first; SGLang's parser prints its own below and exits
+    options, rest = split_args(argv)
 
     load_plugins()
     server_args = prepare_server_args(rest)

@@ -1,0 +1,86 @@
+"""Tables and the plot for bench/replay_latency.py: every column explained under its table, and a plot that
+says on its face what ran."""
+from __future__ import annotations
+
+import graphpool as gp
+from bench.decode_report import explain
+
+GRAPH_METHODS = ["floor", "graphpool", "graphpool+prep", "triton-launch", "sglang", "foreach", "graph-pad"]
+
+
+def plot(rows: list[dict], modes: list[gp.Mode], sizes: list[int], path: str, what_ran: str) -> None:
+    """Host us per step vs batch size, one line per method, one panel per mode; the x axis is labelled
+    with the captured batch sizes, and the title says what ran."""
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for method in sorted({r["method"] for r in rows}):
+            pts = sorted((r["bs"], r["host_us"]) for r in rows if r["mode"] == mode.name and r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="host us per step (median)",
+               title=f"{mode.name} ({mode.tokens_per_seq} token/seq)")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the batch sizes are the ticks
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(what_ran, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool, misses: int) -> str:
+    """The tables printed last: host time per method, then (GPU) the GPU time against the floor."""
+    get = {(r["mode"], r["bs"], r["method"]): r for r in rows}
+    if not cuda:
+        lines = ["host us per step (median), eager twin on CPU: not a speed measurement",
+                 f"{'mode':<8}{'bs':>5}{'graphpool':>11}{'eager':>9}{'match':>7}"]
+        lines += [f"{m.name:<8}{b:>5}{get[m.name, b, 'graphpool']['host_us']:>11.1f}{get[m.name, b, 'eager']['host_us']:>9.1f}"
+                  f"{get[m.name, b, 'graphpool']['token_match']:>7.2f}" for m in modes for b in sizes]
+        lines.append(explain("mode, bs: the step's mode and batch size (real = captured). graphpool: pool.stage + "
+                             "pool.replay on the eager twin (checks, routing, torch staging, the step run eagerly). "
+                             "eager: the step function called directly. match: share of greedy tokens pool.run "
+                             "returned equal to the eager step's."))
+        lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}. CPU smoke run: the code path ran; for "
+                     "host and GPU costs run on a CUDA GPU.")
+        return "\n".join(lines)
+    head = (f"{'mode':<7}{'bs':>5}{'floor':>8}{'gpool':>8}{'gp+prep':>8}{'triton':>8}{'sglang':>8}{'foreach':>8}"
+            f"{'g-pad':>8}{'eager':>9}{'gp stage':>9}{'gp ovh':>8}{'sgl ovh':>8}{'ratio':>7}")
+    lines, ok = ["host us per step (median)", head], True
+    for m in modes:
+        for b in sizes:
+            h = {meth: get[m.name, b, meth]["host_us"] for meth in GRAPH_METHODS + ["eager"]}
+            gp_ovh, sgl_ovh = h["graphpool"] - h["floor"], h["sglang"] - h["floor"]
+            stage = get[m.name, b, "graphpool"]["stage_us"]
+            ratio = gp_ovh / sgl_ovh if sgl_ovh > 0 else float("inf")
+            ok &= ratio <= 0.1 and stage <= 10.0
+            lines.append(f"{m.name:<7}{b:>5}{h['floor']:>8.1f}{h['graphpool']:>8.1f}{h['graphpool+prep']:>8.1f}"
+                         f"{h['triton-launch']:>8.1f}{h['sglang']:>8.1f}{h['foreach']:>8.1f}{h['graph-pad']:>8.1f}"
+                         f"{h['eager']:>9.1f}{stage:>9.1f}{gp_ovh:>8.1f}{sgl_ovh:>8.1f}{ratio:>7.3f}")
+    lines.append(explain(
+        "mode, bs: the step's mode and batch size (real = captured). floor: the step's graph without staging, "
+        "replayed on buffers staged beforehand. gpool: graphpool's pool.stage + pool.replay (ring staging in the "
+        "graph). gp+prep: graphpool with a prepare hook (staging graph, hook, step graph). triton: the staging "
+        "kernel launched eagerly, then the step graph. sglang: SGLang-style fills + slice copies, then the graph. "
+        "foreach: fills + grouped _foreach_copy_. g-pad: grouped copies of the real rows + a device count, the "
+        "graph pads. eager: no graph. gp stage: graphpool's validate + route + stage alone. gp ovh, sgl ovh: "
+        "gpool and sglang above the floor. ratio: gp ovh / sgl ovh."))
+    lines += ["", "GPU us per step (median, CUDA events around staging + replay)",
+              f"{'mode':<7}{'bs':>5}{'floor':>9}{'gpool':>9}{'gpool-floor':>12}{'sglang':>9}{'match':>7}"]
+    for m in modes:
+        for b in sizes:
+            g = {meth: get[m.name, b, meth]["gpu_us"] for meth in ("floor", "graphpool", "sglang")}
+            lines.append(f"{m.name:<7}{b:>5}{g['floor']:>9.1f}{g['graphpool']:>9.1f}{g['graphpool'] - g['floor']:>12.1f}"
+                         f"{g['sglang']:>9.1f}{get[m.name, b, 'graphpool']['token_match']:>7.2f}")
+    lines.append(explain(
+        "floor: GPU time of the step's graph alone (no staging), replayed on pre-staged buffers: the GPU floor. "
+        "gpool: graphpool's step, its in-graph staging node included. gpool-floor: what graphpool's staging "
+        "adds on the GPU. sglang: the SGLang-style step (its copies and fills are separate launches). match: "
+        "share of greedy tokens pool.run returned equal to the eager step's (bf16 can break near-ties)."))
+    lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}")
+    lines.append(f"acceptance (ratio <= 0.1 and graphpool validate+route+stage <= 10 us at every key): "
+                 f"{'PASS' if ok and misses == 0 else 'FAIL'}")
+    return "\n".join(lines)

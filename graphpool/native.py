@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import sysconfig
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ def _extension() -> Any:
 
         directory = _build_directory()
         os.makedirs(directory, exist_ok=True)
+        _drop_stale_lock(directory)
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         built = any(name.startswith("graphpool_input_check") and name.endswith((".so", suffix))
                     for name in os.listdir(directory))
@@ -56,6 +58,18 @@ def _extension() -> Any:
         log.warning("graphpool: C++ input checker unavailable (%s: %s); using Python checks (~0.5 us more per "
                     "input per step)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def _drop_stale_lock(directory: str, stale_s: float = 600.0) -> None:
+    """torch's extension builder waits forever on the lock file of a build that was killed; a build takes
+    about a minute, so a lock older than ``stale_s`` belongs to no running build."""
+    lock = os.path.join(directory, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > stale_s:
+            log.warning("graphpool: removing a stale build lock %s (a build was interrupted)", lock)
+            os.remove(lock)
+    except OSError:
+        pass
 
 
 def make_input_checker(rules: InputRules) -> Any:

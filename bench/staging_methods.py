@@ -71,29 +71,30 @@ class EagerTritonStage:
     """
 
     def __init__(self, pool: gp.GraphPool, specs: Sequence[gp.StepInput]):
-        from graphpool.kernels.stage import stage_launch
+        from graphpool.kernels.stage import stage_grid, stage_launch
 
         self._launch = stage_launch
         device = next(iter(pool.static_inputs.values())).device
         self.specs = list(specs)
         self.fill_rows = [torch.full((1, *s.trailing), s.fill, dtype=s.dtype, device=device) for s in specs]
         static = pool.static_inputs
-        rows = [[static[s.name].data_ptr(), fill.data_ptr(), fill.numel() * fill.element_size(), int(s.per == "token")]
-                for s, fill in zip(specs, self.fill_rows)]
+        self.word = min(8, *(static[s.name].element_size() for s in specs))
+        rows = [[static[s.name].data_ptr(), fill.data_ptr(), fill.numel() * fill.element_size() // self.word,
+                 int(s.per == "token")] for s, fill in zip(specs, self.fill_rows)]
         self.meta = torch.tensor(rows, dtype=torch.int64, device=device)
-        self.row_bytes = [r[2] for r in rows]
+        self.grid = stage_grid(len(specs), max(static[s.name].numel() * static[s.name].element_size() // self.word
+                                               for s in specs))
         self.table = torch.zeros(1, 1 + len(specs), dtype=torch.int64, pin_memory=True)
         self._table = self.table.numpy()
         self.done = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        self.counter = torch.zeros(2, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(self.grid[0] * self.grid[1], dtype=torch.int64, device=device)
 
     def stager(self, mode: gp.Mode, bs: int, inputs: dict[str, torch.Tensor]) -> Callable[[], None]:
         """A zero-argument function that stages ``inputs`` (``bs`` sequences of ``mode``) with one launch."""
         row = np.array([bs] + [inputs[s.name].data_ptr() for s in self.specs], dtype=np.int64)
         tps = mode.tokens_per_seq
-        max_bytes = max(s.rows(bs, tps) * nbytes for s, nbytes in zip(self.specs, self.row_bytes))
 
         def stage() -> None:
             self._table[0] = row
-            self._launch(self.table, self.counter, self.meta, self.done, bs, tps, max_bytes)
+            self._launch(self.table, self.counters, self.meta, self.done, bs, tps, self.word, self.grid)
         return stage

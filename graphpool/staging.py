@@ -24,6 +24,7 @@ What the ring stager owns, so that nothing else can get it wrong:
 """
 from __future__ import annotations
 
+import os
 import struct
 from typing import Callable, Sequence
 
@@ -87,6 +88,10 @@ class RingStager:
                  synchronize: Callable[[], None], slots: int = 64):
         from graphpool.kernels.stage import stage_grid
 
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"ring staging on a {device.type} pool runs the Triton kernel on {device.type} tensors, which "
+                             f"needs Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported); use "
+                             f"staging='torch' (the default there)")
         if slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (the GPU publishes progress one step late), got {slots}")
         self._buffers, self._keys, self.slots, self._synchronize = buffers, keys, slots, synchronize

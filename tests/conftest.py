@@ -19,9 +19,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    interpreter = pytest.mark.skip(reason="runs Triton kernels on CPU tensors, which needs Triton's interpreter "
+                                          "(turned on above only where there is no CUDA GPU)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(gpu)
+        if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+            item.add_marker(interpreter)

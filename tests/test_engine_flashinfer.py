@@ -76,7 +76,7 @@ def kv_lists(table, rows, kv_len):
 
 
 # ------------------------------------------------------------------------------- metadata builders
-BUILDERS = [False] + ([True] if HAVE_TRITON else [])
+BUILDERS = [False] + ([pytest.param(True, marks=pytest.mark.interpreter)] if HAVE_TRITON else [])
 
 
 @pytest.mark.parametrize("use_triton", BUILDERS)

@@ -16,7 +16,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # (device, staging, input checks): the eager twin with torch staging, the twin with the ring kernel (Triton's
 # interpreter on CPU), and real CUDA graphs with the ring kernel as each graph's first node, checked by the
 # C++ input checker (CUDA pools only) and by the Python checks.
-SETUPS = [("cpu", "torch", "python"), ("cpu", "ring", "python"),
+SETUPS = [("cpu", "torch", "python"), pytest.param(("cpu", "ring", "python"), marks=pytest.mark.interpreter),
           pytest.param(("cuda", "auto", "cpp"), marks=pytest.mark.gpu),
           pytest.param(("cuda", "auto", "python"), marks=pytest.mark.gpu)]
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]

@@ -21,7 +21,7 @@ import graphpool as gp
 from test_pool import ToyStep, eager_reference, make_inputs, random_step
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-RING_SETUPS = [("cpu", "ring"), ("cpu", "torch"), pytest.param(("cuda", "ring"), marks=pytest.mark.gpu)]
+RING_SETUPS = [pytest.param(("cpu", "ring"), marks=pytest.mark.interpreter), ("cpu", "torch"), pytest.param(("cuda", "ring"), marks=pytest.mark.gpu)]
 MODES = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
 SIZES = [1, 2, 4, 8]
 
@@ -240,6 +240,7 @@ def _raises(fn, *args):
     return None
 
 
+@pytest.mark.interpreter
 def test_replaying_a_step_twice_or_after_a_later_stage_is_refused():
     pool, toy = pool_for("cpu", "ring")
     rng = random.Random(9)

@@ -21,7 +21,8 @@ SIZES = [1, 2, 3, 4, 8]
 STEPS = 2000
 
 # (device, staging, with a prepare hook)
-SETUPS = [("cpu", "ring", False), ("cpu", "ring", True), ("cpu", "torch", True),
+SETUPS = [pytest.param(("cpu", "ring", False), marks=pytest.mark.interpreter),
+          pytest.param(("cpu", "ring", True), marks=pytest.mark.interpreter), ("cpu", "torch", True),
           pytest.param(("cuda", "ring", False), marks=pytest.mark.gpu),
           pytest.param(("cuda", "ring", True), marks=pytest.mark.gpu)]
 

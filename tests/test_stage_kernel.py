@@ -15,7 +15,7 @@ from graphpool.kernels.stage import stage_grid, stage_launch, stage_reference  #
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16]
 TRAILING = [(), (3,), (2, 2), (5,)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def random_case(rng: random.Random, device: str):

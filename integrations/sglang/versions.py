@@ -44,9 +44,13 @@ def runner_api() -> str:
     Raises:
         ImportError: SGLang is not installed, or has neither API (too old, or a layout graphpool does not know).
     """
-    if importlib.util.find_spec("sglang") is None:
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except ValueError:  # sglang is in sys.modules as None (hidden), or half-imported
+        found = False
+    if not found:
         raise ImportError("graphpool's SGLang integration needs SGLang; install one of: "
-                          + "; ".join(SUPPORTED.values()))
+                          + "; ".join(SUPPORTED.values()), name="sglang")
     for api, module in _MARKERS:
         try:
             if importlib.util.find_spec(module) is not None:

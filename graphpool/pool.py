@@ -36,8 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -110,7 +109,7 @@ class GraphPool:
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
-        self._busy = threading.Lock()
+        self._busy = _Exclusive()
         self._pending: tuple[Step, int, Any] | None = None  # (staged step, staging thread, its inputs)
 
     # ------------------------------------------------------------------------------------ inspection
@@ -215,14 +214,10 @@ class GraphPool:
             ConcurrentUseError: another thread is inside this pool. Debug mode adds IndexBoundsError,
             DeviceFaultError and RingDesyncError.
         """
-        # A non-blocking acquire costs ~0.1 us and cannot miss an overlap (a plain flag could).
-        if not self._busy.acquire(False):
-            raise ConcurrentUseError(_CONCURRENT)
-        try:
+        with self._busy:
             out = self._replay(self._stage(mode, inputs))
-        finally:
-            self._busy.release()
-        return clone_outputs(out) if copy else out
+            # Copies are enqueued before another thread may replay a graph over these outputs.
+            return clone_outputs(out) if copy else out
 
     def stage(self, mode: str, **inputs: torch.Tensor) -> Step:
         """Validate and route a step and stage its inputs; :meth:`replay` runs it.
@@ -233,22 +228,13 @@ class GraphPool:
         .. warning:: replay each staged step once, before staging the next (the next ``stage`` rewrites
             its inputs: replaying it then raises :class:`StaleStepError`).
         """
-        with self._exclusive():
+        with self._busy:
             return self._stage(mode, inputs)
 
     def replay(self, step: Step) -> Outputs:
         """Run the step from the latest :meth:`stage`: ``prepare``, then its graph (or the eager miss path)."""
-        with self._exclusive():
+        with self._busy:
             return self._replay(step)
-
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        if not self._busy.acquire(False):
-            raise ConcurrentUseError(_CONCURRENT)
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
         plan = self._router.plans.get(mode)
@@ -335,6 +321,23 @@ class GraphPool:
         except DeviceFaultError as exc:
             raise DeviceFaultError(f"graph (mode {key.mode!r}, bs {key.bs}) faulted: {exc}") from exc.__cause__
         self._stager.check_sync()
+
+
+class _Exclusive:
+    """``with``: enter, or raise :class:`ConcurrentUseError` at once if another thread is inside. A
+    non-blocking acquire cannot miss an overlap (a plain flag could) and costs well under a microsecond."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(False):
+            raise ConcurrentUseError(_CONCURRENT)
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 _CONCURRENT = ("two threads used one GraphPool at once (or one replayed a step another staged); a pool serves one "

@@ -85,7 +85,7 @@ def test_ten_thousand_steps_run_ahead_with_inputs_dropped_and_cache_emptied(ring
     torch.cuda.synchronize()
     for i in range(10_000):
         if i % 1000 == 0:
-            torch.cuda._sleep(20_000_000)  # a long GPU job now and then, so the host gets ahead of the queue
+            torch.cuda._sleep(200_000_000)  # a long GPU job now and then (~0.1 s), so the host gets ahead of the queue
         mode, bs = rng.choice(modes), rng.randint(1, 16)
         inputs = sampler.sample(mode, bs)
         kept.append((mode, bs, {k: v.clone() for k, v in inputs.items()}))

@@ -36,6 +36,10 @@ from bench.engine import kv_cache as engine_kv  # noqa: E402
 from bench.engine.config import ModelConfig  # noqa: E402
 from bench.engine.model import build_target  # noqa: E402
 
+#: Extend modes: causal attention over a chunk, logits kept for each sequence's last token only (spec
+#: v1's DRAFT_EXTEND exists up to SGLang 0.5.13; later releases have DRAFT_EXTEND_V2 instead).
+EXTEND_MODES = tuple(m for m in (ForwardMode.EXTEND, getattr(ForwardMode, "DRAFT_EXTEND", None)) if m is not None)
+
 
 @dataclass
 class HarnessConfig:
@@ -129,7 +133,7 @@ class TorchPagedAttention(AttentionBackend):
         fb = forward_batch
         mode, bs = fb.forward_mode, fb.batch_size
         self.ragged = None
-        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):  # prefill, draft catch-up: causal
+        if mode in EXTEND_MODES:  # prefill, draft catch-up: causal
             self.forward_metadata, self.ragged = self._extend_meta(fb)
             return
         if mode.is_decode() or mode.is_target_verify():
@@ -300,7 +304,7 @@ class SGLangModel(nn.Module):
         hidden = self.llama(input_ids, positions, attn)
         want = forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL
         logits = self.llama.logits(hidden)
-        if forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+        if forward_batch.forward_mode in EXTEND_MODES:
             # SGLang's logits processor keeps the last token of each sequence of an extend.
             lens = forward_batch.extend_seq_lens
             if lens is not None:

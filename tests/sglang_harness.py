@@ -381,10 +381,12 @@ def prefill(mr: HarnessModelRunner, reqs: Requests, alloc: Optional[SlotAllocato
     extend(mr, list(range(n)), [0] * n, [tok[:t] for tok in reqs.tokens])
 
 
-def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: List[List[int]]) -> None:
+def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: List[List[int]],
+           capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> Any:
     """Run ``tokens[i]`` of row ``rows[i]`` at positions ``starts[i]...`` eagerly (EXTEND), writing KV at the
-    slots ``req_to_token`` holds for those positions; rows are grouped by length (uniform per forward)."""
-    dev = mr.device
+    slots ``req_to_token`` holds for those positions; rows are grouped by length (uniform per forward).
+    Returns the model output of the last forward (the only one for rows of one length)."""
+    dev, out = mr.device, None
     groups: Dict[int, List[int]] = {}
     for i, toks in enumerate(tokens):
         groups.setdefault(len(toks), []).append(i)
@@ -397,10 +399,11 @@ def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: L
                           input_ids=torch.tensor([tokens[i] for i in members], device=dev).reshape(-1),
                           req_pool_indices=idx, seq_lens=start + t, out_cache_loc=slots,
                           seq_lens_sum=int((start + t).sum()), positions=pos.reshape(-1),
-                          capture_hidden_mode=CaptureHiddenMode.NULL, **_runner_fields(mr))
+                          capture_hidden_mode=capture_hidden_mode, **_runner_fields(mr))
         mr.attn_backend.init_forward_metadata(fb)
         with attention_context(mr):
-            mr.model.forward(fb.input_ids, fb.positions, fb)
+            out = mr.model.forward(fb.input_ids, fb.positions, fb)
+    return out
 
 
 def decode_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], alloc: SlotAllocator,

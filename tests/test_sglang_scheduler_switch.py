@@ -153,6 +153,10 @@ class LagOracle:
             expected = torch.cat([target_hidden_states(world, r, s, e) for r, s, e in zip(due, want, ends)])
             torch.testing.assert_close(hidden, expected, atol=1e-9, rtol=0, msg="catch-up hidden states")
             self.resumes += 1
+            if self.window >= DEFAULT_MAX_LAG_STEPS:  # the draft input is exact: every draft is accepted
+                for req in batch.reqs:
+                    committed = len(req.origin_input_ids) + len(req.output_ids) - 1 - kv_len[req.rid]
+                    assert committed == world.cfg.draft_tokens or req.finished(), (req.rid, committed)
         else:
             assert not new, "a catch-up without lagging requests"
         for req in batch.reqs:
@@ -296,6 +300,61 @@ def run_scenario(caplog: Any, max_lag_steps: int, check_draft_kv: bool) -> None:
     # Nothing leaked: every KV slot and request row is free again.
     assert world.target.token_to_kv_pool_allocator.available_size() == cfg.kv_slots - 1
     assert world.target.req_to_token_pool.available_size() == cfg.max_reqs
+
+
+def test_resume_on_a_mixed_batch_catches_up_the_lagging_rows_only(caplog):
+    """Speculation resumes on a batch that mixes a lagging request, a lagging request aborted just before
+    (never caught up: verify finishes it), and one prefilled after the last plain step (common under live
+    traffic; its draft input from the prefill is merged behind the compacted plain-phase rows). Only the
+    lagging row is caught up, every draft of the resume step is accepted, outputs are exact."""
+    caplog.set_level(logging.INFO, logger="graphpool")
+    cfg = H.HarnessConfig(max_reqs=8, kv_slots=2000, batch_sizes=(1, 2, 4))
+    world = S.SchedulerWorld(cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, cfg.vocab, (PROMPT,), generator=g).tolist() for _ in range(5)]
+    ref, _ = greedy_reference(cfg, prompts, 30, {})
+    # r1 and r2 finish on the same plain step, leaving r0 and r3 (aborted then); r4 arrives then.
+    max_new = [30, 10, 10, 30, 12]
+    switch = install_speculation_switch(3, 3)
+    lag = EAGLEWorker.forward_batch_generation.graphpool_lag
+    watch, oracle = DraftWatch(world), LagOracle(DEFAULT_MAX_LAG_STEPS)
+    decisions: List[bool] = []
+    speculate = switch.speculate
+    switch.speculate = lambda bs: decisions.append(speculate(bs)) or decisions[-1]
+    reqs = [world.add_request(f"r{i}", prompts[i], max_new[i]) for i in range(4)]
+    mixed_resume = None
+    try:
+        with S.cpu_stand_ins():
+            for _ in range(300):
+                seen = list(world.running.reqs) + (list(world.last_batch.reqs) if world.last_batch is not None else [])
+                kv_len = {r.rid: len(r.origin_input_ids) + len(r.output_ids) - 1 for r in seen}
+                finishing = {r.rid for r in seen if r.to_finish is not None}
+                n_decisions, forwards, extends = len(decisions), watch.forwards, len(watch.extends)
+                batch = world.step()
+                if batch is None and not world.waiting:
+                    break
+                if len(decisions) > n_decisions:
+                    oracle.check_step(world, watch, batch, decisions[-1], kv_len, finishing, forwards, extends)
+                    if decisions[-2:] == [False, True]:  # the resume
+                        mixed_resume = ([r.rid for r in batch.reqs], watch.extends[extends][0])
+                        fresh_draft_kv_matches(world)
+                if len(reqs) == 4 and reqs[1].finished() and reqs[2].finished():
+                    assert not reqs[0].finished() and not reqs[3].finished() and len(lag) == 2
+                    reqs[3].to_finish = FINISH_ABORT()  # what Scheduler.abort_request does to a running request
+                    reqs.append(world.add_request("r4", prompts[4], max_new[4]))
+            else:
+                pytest.fail("requests still running after 300 scheduler steps")
+    finally:
+        uninstall_speculation_switch()
+    assert mixed_resume == (["r0", "r3", "r4"], ["r0"]), mixed_resume
+    assert lag.catch_ups == oracle.resumes == 1 and len(lag) == 0
+    for i, req in enumerate(reqs):
+        sent = world.sent[req.rid]
+        if i == 3:
+            assert isinstance(sent.finished_reason, FINISH_ABORT) and sent.output_ids == ref[3][:len(sent.output_ids)]
+        else:
+            assert sent.output_ids == ref[i][:max_new[i]], i
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("graphpool")]
 
 
 @pytest.fixture(autouse=True)

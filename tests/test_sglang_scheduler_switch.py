@@ -26,7 +26,10 @@ import pytest
 import torch
 
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
-from tests import sglang_scheduler_harness as S
+
+H.require_api("classic")  # SGLang's EAGLE v1 worker and spec-v1 scheduler bookkeeping (0.5.9 to 0.5.13.post1)
+
+from tests import sglang_scheduler_harness as S  # noqa: E402
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode

@@ -135,6 +135,8 @@ class DraftLag:
 
     def forget(self, keys: Iterable[Hashable]) -> None:
         """Drop these requests' lags (finished, aborted, or prefilled again): never caught up."""
+        if not self._lags:
+            return
         for key in keys:
             self._lags.pop(key, None)
 

@@ -167,7 +167,8 @@ def _leave_draft_lagging(worker: Any, batch: Any, lag: DraftLag, previous: Any, 
 def lagging_draft_input(previous: Any, bonus_tokens: torch.Tensor, topk: int) -> Any:
     """The ``EagleDraftInput`` of a batch whose draft lags: ``bonus_tokens`` (the next step's input) is
     real; ``topk_p``, ``topk_index`` and ``hidden_states`` are placeholders of the right row count, cut
-    from ``previous`` (no copy), read by nothing until the catch-up replaces them."""
+    from ``previous`` (no copy): the scheduler slices and concatenates them, no forward reads them, and
+    the catch-up replaces them before the next speculative step."""
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
     n, device = bonus_tokens.shape[0], bonus_tokens.device

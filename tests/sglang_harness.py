@@ -39,6 +39,10 @@ from bench.engine import kv_cache as engine_kv  # noqa: E402
 from bench.engine.config import ModelConfig  # noqa: E402
 from bench.engine.model import build_target  # noqa: E402
 
+#: Extend modes: causal attention over a chunk, logits kept for each sequence's last token only (spec
+#: v1's DRAFT_EXTEND exists up to SGLang 0.5.13; later releases have DRAFT_EXTEND_V2 instead).
+EXTEND_MODES = tuple(m for m in (ForwardMode.EXTEND, getattr(ForwardMode, "DRAFT_EXTEND", None)) if m is not None)
+
 
 @dataclass
 class HarnessConfig:
@@ -132,7 +136,7 @@ class TorchPagedAttention(AttentionBackend):
         fb = forward_batch
         mode, bs = fb.forward_mode, fb.batch_size
         self.ragged = None
-        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):  # prefill, draft catch-up: causal
+        if mode in EXTEND_MODES:  # prefill, draft catch-up: causal
             self.forward_metadata, self.ragged = self._extend_meta(fb)
             return
         if mode.is_decode() or mode.is_target_verify():
@@ -303,7 +307,7 @@ class SGLangModel(nn.Module):
         hidden = self.llama(input_ids, positions, attn)
         want = forward_batch.capture_hidden_mode or CaptureHiddenMode.NULL
         logits = self.llama.logits(hidden)
-        if forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+        if forward_batch.forward_mode in EXTEND_MODES:
             # SGLang's logits processor keeps the last token of each sequence of an extend.
             lens = forward_batch.extend_seq_lens
             if lens is not None:
@@ -380,10 +384,12 @@ def prefill(mr: HarnessModelRunner, reqs: Requests, alloc: Optional[SlotAllocato
     extend(mr, list(range(n)), [0] * n, [tok[:t] for tok in reqs.tokens])
 
 
-def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: List[List[int]]) -> None:
+def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: List[List[int]],
+           capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> Any:
     """Run ``tokens[i]`` of row ``rows[i]`` at positions ``starts[i]...`` eagerly (EXTEND), writing KV at the
-    slots ``req_to_token`` holds for those positions; rows are grouped by length (uniform per forward)."""
-    dev = mr.device
+    slots ``req_to_token`` holds for those positions; rows are grouped by length (uniform per forward).
+    Returns the model output of the last forward (the only one for rows of one length)."""
+    dev, out = mr.device, None
     groups: Dict[int, List[int]] = {}
     for i, toks in enumerate(tokens):
         groups.setdefault(len(toks), []).append(i)
@@ -396,10 +402,11 @@ def extend(mr: HarnessModelRunner, rows: List[int], starts: List[int], tokens: L
                           input_ids=torch.tensor([tokens[i] for i in members], device=dev).reshape(-1),
                           req_pool_indices=idx, seq_lens=start + t, out_cache_loc=slots,
                           seq_lens_sum=int((start + t).sum()), positions=pos.reshape(-1),
-                          capture_hidden_mode=CaptureHiddenMode.NULL, **_runner_fields(mr))
+                          capture_hidden_mode=capture_hidden_mode, **_runner_fields(mr))
         mr.attn_backend.init_forward_metadata(fb)
         with attention_context(mr):
-            mr.model.forward(fb.input_ids, fb.positions, fb)
+            out = mr.model.forward(fb.input_ids, fb.positions, fb)
+    return out
 
 
 def decode_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], alloc: SlotAllocator,

@@ -9,22 +9,34 @@ decoding of the same prompts without speculation, eager (token ids and logprobs)
 KV computed afresh. This is the test that the live server's crash showed missing: before the fix, plain
 steps recorded no token on the request (nothing ever finished) and left the draft state holding
 finished rows (``filter_batch``: "length of new_indices ... != length of topk_p").
+
+A plain step does no draft work: the draft model's forwards are counted, and none may run on a plain
+step. When speculation resumes, every request that decoded plainly (and is not finishing) is caught up
+exactly once, in one draft extend over its plainly decoded positions, fed the target hidden states of
+those positions (checked against a fresh target prefill); then the draft KV equals a fresh draft prefill.
+With a small lag window (``max_lag_steps``) the catch-up covers the window only and outputs stay exact.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
-from tests import sglang_scheduler_harness as S
+
+H.require_api("classic")  # SGLang's EAGLE v1 worker and spec-v1 scheduler bookkeeping (0.5.9 to 0.5.13.post1)
+
+from tests import sglang_scheduler_harness as S  # noqa: E402
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
 from graphpool.integrations.sglang import install_speculation_switch, uninstall_speculation_switch
+from graphpool.integrations.sglang.draft_lag import DEFAULT_MAX_LAG_STEPS
 
 # SGLang's Triton kernels run here in Triton's interpreter on CPU tensors (tests/conftest.py sets it
 # without a GPU); on a CUDA machine they would be compiled for CUDA and refuse CPU tensors.
@@ -80,7 +92,92 @@ def fresh_draft_kv_matches(world: S.SchedulerWorld) -> None:
         torch.testing.assert_close(ours, want, atol=1e-9, rtol=0, msg=f"draft KV of {req.rid}")
 
 
-def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_request():
+def target_hidden_states(world: S.SchedulerWorld, req: Any, start: int, end: int) -> torch.Tensor:
+    """The target's hidden states at positions ``[start, end)`` of ``req``'s sequence, from a fresh eager
+    prefill of the sequence (what the draft reads at those positions)."""
+    cfg = world.cfg
+    fresh = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=False, model_seed=0)
+    fresh.req_to_token_pool.req_to_token[0, :end] = H.SlotAllocator(cfg.kv_slots).alloc(end, torch.device("cpu")).int()
+    out = H.extend(fresh, [0], [0], [(req.origin_input_ids + req.output_ids)[:end]], CaptureHiddenMode.FULL)
+    return out.hidden_states[start:end]
+
+
+class DraftWatch:
+    """The draft model's forwards, counted, and every draft prefill (``EAGLEWorker.forward_draft_extend``:
+    SGLang's after a target prefill, the switch's catch-up inside a decode step), recorded."""
+
+    def __init__(self, world: S.SchedulerWorld):
+        self.forwards = 0
+        self.extends: List[Tuple[List[str], List[int], List[int], Optional[torch.Tensor]]] = []
+        forward, extend = world.draft.model.forward, world.worker.forward_draft_extend
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.forwards += 1
+            return forward(*args, **kwargs)
+
+        def recorded(batch: Any, hidden_states: Any, next_token_ids: Any, seq_lens_cpu: Any, *rest: Any) -> Any:
+            self.extends.append(([r.rid for r in batch.reqs], list(batch.prefix_lens), list(batch.extend_lens),
+                                 None if hidden_states is None else hidden_states.clone()))
+            return extend(batch, hidden_states, next_token_ids, seq_lens_cpu, *rest)
+
+        world.draft.model.forward = counted
+        world.worker.forward_draft_extend = recorded
+
+
+class LagOracle:
+    """Which requests' draft lags, from which position, kept by the test from the steps it sees: a plain
+    step leaves every unfinished request lagging from the position it wrote; a speculative step catches
+    up every lagging request of its batch that is not finishing."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.first: Dict[str, int] = {}
+        self.resumes = 0
+
+    def check_step(self, world: S.SchedulerWorld, watch: DraftWatch, batch: Any, speculative: bool,
+                   kv_len: Dict[str, int], finishing: set, forwards: int, extends: int) -> None:
+        new = watch.extends[extends:]
+        if not speculative:
+            assert watch.forwards == forwards and not new, "a plain step runs no draft forward"
+            for req in batch.reqs:
+                if req.finished():
+                    self.first.pop(req.rid, None)
+                else:
+                    self.first.setdefault(req.rid, kv_len[req.rid])
+            return
+        due = [r for r in batch.reqs if r.rid in self.first and r.rid not in finishing]
+        if due:  # the first speculative step after plain steps: ONE draft extend, each lagging request once
+            assert len(new) == 1, f"{len(new)} draft extends at a resume"
+            rids, starts, lens, hidden = new[0]
+            ends = [kv_len[r.rid] for r in due]
+            want = [max(self.first[r.rid], e - self.window) for r, e in zip(due, ends)]
+            assert rids == [r.rid for r in due] and starts == want, (rids, starts, [r.rid for r in due], want)
+            assert lens == [e - s for s, e in zip(want, ends)]
+            expected = torch.cat([target_hidden_states(world, r, s, e) for r, s, e in zip(due, want, ends)])
+            torch.testing.assert_close(hidden, expected, atol=1e-9, rtol=0, msg="catch-up hidden states")
+            self.resumes += 1
+            if self.window >= DEFAULT_MAX_LAG_STEPS:  # the draft input is exact: every draft is accepted
+                for req in batch.reqs:
+                    committed = len(req.origin_input_ids) + len(req.output_ids) - 1 - kv_len[req.rid]
+                    assert committed == world.cfg.draft_tokens or req.finished(), (req.rid, committed)
+        else:
+            assert not new, "a catch-up without lagging requests"
+        for req in batch.reqs:
+            self.first.pop(req.rid, None)
+
+
+def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_request(caplog):
+    run_scenario(caplog, max_lag_steps=DEFAULT_MAX_LAG_STEPS, check_draft_kv=True)
+
+
+def test_switch_with_a_small_lag_window_catches_up_the_window_only(caplog):
+    # Plain phases here last up to ~25 steps: a 3-step window cuts most catch-ups short. The draft's
+    # older KV then stays stale (no fresh-prefill check); outputs must stay exact.
+    run_scenario(caplog, max_lag_steps=3, check_draft_kv=False)
+
+
+def run_scenario(caplog: Any, max_lag_steps: int, check_draft_kv: bool) -> None:
+    caplog.set_level(logging.INFO, logger="graphpool")
     cfg = H.HarnessConfig(max_reqs=24, kv_slots=4000, batch_sizes=(1, 2, 4, 8, 16))
     world = S.SchedulerWorld(cfg, torch.device("cpu"), log_interval=3)
     g = torch.Generator().manual_seed(5)
@@ -114,7 +211,9 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
         reqs[i] = world.add_request(f"r{i}", prompts[i], max_new[i], return_logprob=i in logprobs,
                                     top_logprobs_num=2 if i in logprobs else 0, require_reasoning=i in reasoning, **kw)
 
-    switch = install_speculation_switch(OFF_ABOVE, ON_AT_OR_BELOW)
+    switch = install_speculation_switch(OFF_ABOVE, ON_AT_OR_BELOW, max_lag_steps=max_lag_steps)
+    lag = EAGLEWorker.forward_batch_generation.graphpool_lag
+    watch, oracle = DraftWatch(world), LagOracle(max_lag_steps)
     decisions: List[Tuple[int, bool]] = []
     speculate = switch.speculate
     switch.speculate = lambda bs: decisions.append((bs, speculate(bs))) or decisions[-1][1]
@@ -126,9 +225,16 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
                 arrive(i)
             for step in range(2000):
                 n_decisions, before = len(decisions), {r.rid: len(r.output_ids) for r in world.running.reqs}
+                seen = list(world.running.reqs) + (list(world.last_batch.reqs) if world.last_batch is not None else [])
+                kv_len = {r.rid: len(r.origin_input_ids) + len(r.output_ids) - 1 for r in seen}
+                finishing = {r.rid for r in seen if r.to_finish is not None}
+                forwards, extends = watch.forwards, len(watch.extends)
                 batch = world.step()
                 if batch is None and not world.waiting:
                     break
+                if len(decisions) > n_decisions:
+                    oracle.check_step(world, watch, batch, decisions[-1][1], kv_len, finishing, forwards, extends)
+                assert not any(r in lag for r in reqs.values() if r.finished()), "a finished request still lags"
                 if len(decisions) > n_decisions and decisions[-1][1]:  # a verify step: the tokens it committed
                     verified_tokens += sum(len(r.output_ids) - before[r.rid] for r in batch.reqs)
                     spec_since_flip += 1
@@ -139,7 +245,7 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
                         reqs[abort].to_finish is None and not reqs[abort].finished() and len(decisions) > 6:
                     reqs[abort].to_finish = FINISH_ABORT()  # what Scheduler.abort_request does to a running request
                 just_back_on = switch.switches in (2, 4) and checked_draft_kv < switch.switches // 2
-                if just_back_on and not world.running.is_empty():
+                if just_back_on and not world.running.is_empty() and check_draft_kv:
                     fresh_draft_kv_matches(world)  # just back on: the draft kept up through the plain phase
                     checked_draft_kv += 1
                 if switch.switches == 2 and spec_since_flip >= 2 and len(reqs) == FIRST_WAVE:
@@ -152,7 +258,12 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
 
     # The switch went off and on twice; every plain step replayed a DECODE graph, every verify a
     # TARGET_VERIFY graph, none ran eagerly.
-    assert switch.switches >= 4 and checked_draft_kv == 2, decisions
+    assert switch.switches >= 4 and checked_draft_kv == (2 if check_draft_kv else 0), decisions
+    # One catch-up (one draft extend) per resume, every lagging request caught up once; none left.
+    assert oracle.resumes == lag.catch_ups == 2 and len(lag) == 0
+    assert (lag.windowed > 0) == (max_lag_steps < DEFAULT_MAX_LAG_STEPS), lag.windowed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("graphpool")]
+    assert not warnings, warnings
     assert all(spec for bs, spec in decisions if bs <= ON_AT_OR_BELOW)
     assert not any(spec for bs, spec in decisions if bs > OFF_ABOVE)
     spec_bs = [bs for bs, spec in decisions if spec]
@@ -192,6 +303,61 @@ def test_switch_under_sglang_scheduler_flips_both_ways_and_finishes_every_reques
     # Nothing leaked: every KV slot and request row is free again.
     assert world.target.token_to_kv_pool_allocator.available_size() == cfg.kv_slots - 1
     assert world.target.req_to_token_pool.available_size() == cfg.max_reqs
+
+
+def test_resume_on_a_mixed_batch_catches_up_the_lagging_rows_only(caplog):
+    """Speculation resumes on a batch that mixes a lagging request, a lagging request aborted just before
+    (never caught up: verify finishes it), and one prefilled after the last plain step (common under live
+    traffic; its draft input from the prefill is merged behind the compacted plain-phase rows). Only the
+    lagging row is caught up, every draft of the resume step is accepted, outputs are exact."""
+    caplog.set_level(logging.INFO, logger="graphpool")
+    cfg = H.HarnessConfig(max_reqs=8, kv_slots=2000, batch_sizes=(1, 2, 4))
+    world = S.SchedulerWorld(cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, cfg.vocab, (PROMPT,), generator=g).tolist() for _ in range(5)]
+    ref, _ = greedy_reference(cfg, prompts, 30, {})
+    # r1 and r2 finish on the same plain step, leaving r0 and r3 (aborted then); r4 arrives then.
+    max_new = [30, 10, 10, 30, 12]
+    switch = install_speculation_switch(3, 3)
+    lag = EAGLEWorker.forward_batch_generation.graphpool_lag
+    watch, oracle = DraftWatch(world), LagOracle(DEFAULT_MAX_LAG_STEPS)
+    decisions: List[bool] = []
+    speculate = switch.speculate
+    switch.speculate = lambda bs: decisions.append(speculate(bs)) or decisions[-1]
+    reqs = [world.add_request(f"r{i}", prompts[i], max_new[i]) for i in range(4)]
+    mixed_resume = None
+    try:
+        with S.cpu_stand_ins():
+            for _ in range(300):
+                seen = list(world.running.reqs) + (list(world.last_batch.reqs) if world.last_batch is not None else [])
+                kv_len = {r.rid: len(r.origin_input_ids) + len(r.output_ids) - 1 for r in seen}
+                finishing = {r.rid for r in seen if r.to_finish is not None}
+                n_decisions, forwards, extends = len(decisions), watch.forwards, len(watch.extends)
+                batch = world.step()
+                if batch is None and not world.waiting:
+                    break
+                if len(decisions) > n_decisions:
+                    oracle.check_step(world, watch, batch, decisions[-1], kv_len, finishing, forwards, extends)
+                    if decisions[-2:] == [False, True]:  # the resume
+                        mixed_resume = ([r.rid for r in batch.reqs], watch.extends[extends][0])
+                        fresh_draft_kv_matches(world)
+                if len(reqs) == 4 and reqs[1].finished() and reqs[2].finished():
+                    assert not reqs[0].finished() and not reqs[3].finished() and len(lag) == 2
+                    reqs[3].to_finish = FINISH_ABORT()  # what Scheduler.abort_request does to a running request
+                    reqs.append(world.add_request("r4", prompts[4], max_new[4]))
+            else:
+                pytest.fail("requests still running after 300 scheduler steps")
+    finally:
+        uninstall_speculation_switch()
+    assert mixed_resume == (["r0", "r3", "r4"], ["r0"]), mixed_resume
+    assert lag.catch_ups == oracle.resumes == 1 and len(lag) == 0
+    for i, req in enumerate(reqs):
+        sent = world.sent[req.rid]
+        if i == 3:
+            assert isinstance(sent.finished_reason, FINISH_ABORT) and sent.output_ids == ref[3][:len(sent.output_ids)]
+        else:
+            assert sent.output_ids == ref[i][:max_new[i]], i
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("graphpool")]
 
 
 @pytest.fixture(autouse=True)

@@ -3,9 +3,11 @@
 Speculative steps: a draft model proposes a chain, the target verifies it in TARGET_VERIFY mode through
 the multi-mode runner, greedy acceptance, then a draft extend over the accepted tokens (EAGLE's
 draft-extend-after-decode). Plain steps (batch above the threshold): graphpool's
-``plain_decode_batch`` + the target in DECODE mode (routed by SGLang's ``_forward_raw``) + a one-token
-draft extend. Greedy outputs must equal plain greedy decoding without speculation, every plain step
-must replay a DECODE graph, and the draft KV must be exactly what a fresh draft prefill computes.
+``plain_decode_batch`` + the target in DECODE mode (routed by SGLang's ``_forward_raw``) and NO draft
+work: a ``DraftLag`` records where each request's draft lags, and the first speculative step catches
+the draft up with one draft extend over the plainly decoded tokens. Greedy outputs must equal plain
+greedy decoding without speculation, every plain step must replay a DECODE graph, no draft forward may
+run on a plain step, and the draft KV must be exactly what a fresh draft prefill computes.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ H.require_api("classic")  # the runner API (SGLang 0.5.14+) has its own tests
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from graphpool.integrations.sglang import MultiModeCudaGraphRunner
+from graphpool.integrations.sglang.draft_lag import DraftLag
 from graphpool.integrations.sglang.spec_switch import SpeculationSwitch, plain_decode_batch
 
 SWEEP = [1, 2, 4, 8, 16, 32, 64, 48, 32, 16, 8, 4, 2, 1]
@@ -43,11 +46,30 @@ class SpecWorld:
         H.prefill(self.target, self.reqs, self.alloc)
         H.prefill(self.draft, self.reqs, None)
         self.plain_graph_hits = 0
+        self.lag = DraftLag(keep_hidden=False)  # the harness draft reads tokens only
+        self.draft_forwards = 0
+        forward = self.draft.model.forward
+
+        def counted(*args, **kwargs):
+            self.draft_forwards += 1
+            return forward(*args, **kwargs)
+
+        self.draft.model.forward = counted
+
+    def catch_up(self, rows: List[int]) -> None:
+        """One draft extend over every lagging request's plainly decoded positions (a draft prefill of
+        that chunk; this world's draft writes position ``p`` from token ``p``)."""
+        gaps = self.lag.take(rows)
+        if gaps:
+            late = sorted(gaps)
+            H.extend(self.draft, late, [gaps[r].start for r in late],
+                     [self.reqs.tokens[r][gaps[r].start:self.reqs.kv_len(r)] for r in late])
 
     def _lens(self, rows: List[int]) -> torch.Tensor:
         return torch.tensor([self.reqs.kv_len(r) for r in rows], dtype=torch.int64, device=self.dev)
 
     def spec_step(self, rows: List[int]) -> None:
+        self.catch_up(rows)
         k = self.cfg.draft_tokens - 1
         drafts = self._propose(rows, k)
         out = self.target.forward(H.verify_batch(self.target, self.reqs, rows, drafts, self.alloc))
@@ -84,6 +106,7 @@ class SpecWorld:
     def plain_step(self, rows: List[int]) -> None:
         idx, lens = torch.tensor(rows, device=self.dev), self._lens(rows)
         last = torch.tensor([self.reqs.tokens[r][-1] for r in rows], device=self.dev)
+        draft_forwards = self.draft_forwards
         fb = plain_decode_batch(self.target, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens.cpu(),
                                 last_tokens=last, out_cache_loc=self.alloc.alloc(len(rows), self.dev))
         out = self.target.forward(fb)
@@ -93,7 +116,8 @@ class SpecWorld:
             self.plain_graph_hits += 1
         assert out.logits_output.hidden_states is not None, "a plain step must return hidden states for the draft"
         nxt = out.logits_output.next_token_logits.argmax(-1).tolist()
-        H.extend(self.draft, rows, lens.tolist(), [[t] for t in last.tolist()])  # draft KV in step
+        self.lag.record(rows, lens.tolist())
+        assert self.draft_forwards == draft_forwards, "no draft work on a plain step"
         for r, t in zip(rows, nxt):
             self.reqs.tokens[r].append(t)
 
@@ -129,10 +153,12 @@ def _sweep(device: torch.device, dtype: torch.dtype) -> None:
     assert all(spec for c, spec in decisions if c <= 8) and not any(spec for c, spec in decisions if c > 16)
     assert [spec for c, spec in decisions if c == 16] == [True] * 3 + [False] * 3, "16 on the way up vs down"
     assert switch.plain_steps > 0 and world.plain_graph_hits == switch.plain_steps, "every plain step: DECODE graph"
+    assert world.lag.catch_ups == 1, "one draft catch-up, when speculation resumed"
     # Greedy outputs identical to decoding without speculation.
     final = [len(t) for t in world.reqs.tokens]
     assert world.reqs.tokens == _greedy_reference(cfg, device, final)
-    # The draft KV is in step: equal to a fresh draft prefill of every committed position.
+    # The draft KV: requests still lagging catch up, then equal a fresh draft prefill of every position.
+    world.catch_up(list(range(cfg.max_reqs)))
     fresh = H.HarnessModelRunner(cfg, device, speculative=False, model_seed=1)
     alloc = H.SlotAllocator(cfg.kv_slots)
     for r in range(cfg.max_reqs):

@@ -14,9 +14,13 @@ decode path does it for one token:
    sampler (grammar masks, penalties, logprobs as in non-speculative decode);
 3. per request, as verify does per accepted token: record the token, reasoning count, finish check,
    grammar ``accept_token``; KV lengths; logprobs as SGLang's decode path records them;
-4. the draft model's KV kept in step through SGLang's own post-verify draft extend
-   (``forward_draft_extend_after_decode``, as for a verify that accepted no draft), for the unfinished
-   rows only, so the scheduler's ``filter_batch`` finds the draft state it expects.
+4. **no draft work**: the draft model's KV falls behind. The request's position and, for EAGLE/EAGLE3,
+   the target hidden states the draft will need there (captured FULL: EAGLE3's aux hidden states) go
+   to a :class:`~.draft_lag.DraftLag`; finished requests (aborts included) are forgotten, never caught
+   up. ``batch.spec_info`` becomes an ``EagleDraftInput`` for the unfinished rows only (the new tokens
+   as ``bonus_tokens``, placeholder draft fields), so the scheduler's ``filter_batch`` and
+   ``merge_batch`` find the draft state they expect. Before the next speculative step
+   :func:`~.eagle_v1_catch_up.eagle_v1_catch_up` catches the draft up in one draft extend.
 
 The result is marked (:data:`PLAIN_STEP`) so that :func:`process_plain_step_result` keeps it out of
 SGLang's speculation metrics, which SGLang counts per decode batch in ``update_spec_metrics``.
@@ -31,17 +35,20 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
+from .draft_lag import DraftLag
+
 log = logging.getLogger(__name__)
 
 #: Attribute set on the ``GenerationBatchResult`` of a plain step.
 PLAIN_STEP = "graphpool_plain_step"
 
 
-def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
-    """One plain decode step of an EAGLE v1 ``batch`` (a ``ScheduleBatch`` in DECODE mode).
+def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
+    """One plain decode step of an EAGLE v1 ``batch`` (a ``ScheduleBatch`` in DECODE mode), no draft work.
 
     Returns SGLang's ``GenerationBatchResult`` (one token per sequence, marked :data:`PLAIN_STEP`). On
-    return every request holds its new token and finish state, and ``batch.spec_info`` is an
+    return every request holds its new token and finish state, ``lag`` holds where each unfinished
+    request's draft lags (and the target hidden states there), and ``batch.spec_info`` is an
     ``EagleDraftInput`` for the unfinished rows only, as after SGLang's verify.
     """
     from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -49,6 +56,7 @@ def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
 
     draft_input = batch.spec_info
     bs = batch.batch_size()
+    kv_lens = batch.seq_lens_cpu.tolist()  # the position each request's KV is written at by this step
     last_tokens = draft_input.bonus_tokens.to(torch.int64)
     # Penalties count the previous token, as SGLang's decode and EAGLE's draft preprocessing do.
     if batch.sampling_info.penalizer_orchestrator.is_required:
@@ -66,7 +74,7 @@ def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
     batch.orig_seq_lens = batch.orig_seq_lens + 1
     batch.seq_lens_sum += bs
 
-    # Step 2: the target in DECODE mode, sampled like SGLang's decode (the draft needs its hidden states).
+    # Step 2: the target in DECODE mode, sampled like SGLang's decode (EAGLE's catch-up needs its hidden states).
     standalone = worker.speculative_algorithm.is_standalone()
     worker_batch = batch.get_model_worker_batch()
     worker_batch.capture_hidden_mode = CaptureHiddenMode.NULL if standalone else CaptureHiddenMode.FULL
@@ -79,8 +87,9 @@ def eagle_v1_plain_decode(worker: Any, batch: Any) -> Any:
     if batch.return_logprob:
         record_logprobs(batch, logits_output, next_token_ids.tolist())
 
-    # Step 4: the draft's KV for the position the target just wrote; draft state for unfinished rows.
-    _draft_extend_after_plain_step(worker, batch, logits_output.hidden_states, next_token_ids, unfinished)
+    # Step 4: no draft work; the draft lags from here, and spec_info keeps the unfinished rows.
+    _leave_draft_lagging(worker, batch, lag, draft_input, kv_lens, logits_output.hidden_states, next_token_ids,
+                         unfinished)
 
     out = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids,
                                 num_correct_drafts=0, num_correct_drafts_per_req_cpu=[0] * bs,
@@ -132,36 +141,50 @@ def _as_list(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
-def _draft_extend_after_plain_step(worker: Any, batch: Any, hidden_states: Optional[torch.Tensor],
-                                   next_token_ids: torch.Tensor, unfinished: List[int]) -> None:
-    """Keep the draft's KV in step as SGLang does after a verify, through the same
-    ``EAGLEWorker.forward_draft_extend_after_decode`` (its CUDA graph where captured): a plain step is a
-    verify that accepted no draft, one token per unfinished sequence at the slot the target just
-    wrote, fed the target's hidden state there. Leaves ``batch.spec_info`` the next round's
-    ``EagleDraftInput`` for the unfinished rows only."""
-    from sglang.srt.layers.moe.utils import speculative_moe_a2a_backend_context, speculative_moe_backend_context
-    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
-
-    n, device = len(unfinished), next_token_ids.device
-    if n == 0 and not worker.server_args.enable_dp_attention:
+def _leave_draft_lagging(worker: Any, batch: Any, lag: DraftLag, previous: Any, kv_lens: List[int],
+                         hidden_states: Optional[torch.Tensor], next_token_ids: torch.Tensor,
+                         unfinished: List[int]) -> None:
+    """Record the draft's lag for the unfinished rows, forget the finished ones, and leave
+    ``batch.spec_info`` the next round's ``EagleDraftInput`` for the unfinished rows only (SGLang's
+    ``filter_batch`` trims it by position, trusting that verify already dropped finished rows)."""
+    reqs, bs = batch.reqs, len(batch.reqs)
+    alive = set(unfinished)
+    lag.forget([req for i, req in enumerate(reqs) if i not in alive])  # finished or aborted: never caught up
+    if not unfinished:
         worker._draft_preprocess_idle(batch)  # all finished: an empty draft input, as after such a verify
         return
-    rows = None if n == batch.batch_size() else torch.tensor(unfinished, dtype=torch.int64, device=device)
+    rows = None if len(unfinished) == bs else torch.tensor(unfinished, dtype=torch.int64,
+                                                            device=next_token_ids.device)
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         return t if rows is None else t[rows]
 
-    batch.out_cache_loc = keep(batch.out_cache_loc)
-    batch.spec_info = EagleDraftExtendInput(
-        hidden_states=None if hidden_states is None else keep(hidden_states),
-        num_correct_drafts=torch.zeros((n,), dtype=torch.int32, device=device),
-        num_accept_tokens=torch.ones((n,), dtype=torch.int32, device=device), num_accept_tokens_cpu=[1] * n,
-        input_ids=keep(next_token_ids), seq_lens=keep(batch.seq_lens),
-        seq_lens_cpu=batch.seq_lens_cpu if rows is None else batch.seq_lens_cpu[unfinished],
-        req_pool_indices=keep(batch.req_pool_indices))
-    with (worker.draft_tp_context(worker.draft_model_runner.tp_group), speculative_moe_backend_context(),
-          speculative_moe_a2a_backend_context()):
-        batch.spec_info = worker.forward_draft_extend_after_decode(batch)
+    lag.record([reqs[i] for i in unfinished], [kv_lens[i] for i in unfinished],
+               None if hidden_states is None else keep(hidden_states[:bs]))
+    batch.spec_info = lagging_draft_input(previous, keep(next_token_ids), worker.topk)
+
+
+def lagging_draft_input(previous: Any, bonus_tokens: torch.Tensor, topk: int) -> Any:
+    """The ``EagleDraftInput`` of a batch whose draft lags: ``bonus_tokens`` (the next step's input) is
+    real; ``topk_p``, ``topk_index`` and ``hidden_states`` are placeholders of the right row count, cut
+    from ``previous`` (no copy): the scheduler slices and concatenates them, no forward reads them, and
+    the catch-up replaces them before the next speculative step."""
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    n, device = bonus_tokens.shape[0], bonus_tokens.device
+
+    def placeholder(t: Optional[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+        if t is not None and t.shape[0] >= n:
+            return t[:n]
+        shape = (n, width) if t is None else (n, *t.shape[1:])
+        return torch.zeros(shape, dtype=dtype if t is None else t.dtype, device=device)
+
+    hidden = previous.hidden_states
+    return EagleDraftInput(
+        bonus_tokens=bonus_tokens, topk_p=placeholder(previous.topk_p, topk, torch.float32),
+        topk_index=placeholder(previous.topk_index, topk, torch.int64),
+        hidden_states=None if hidden is None else placeholder(hidden, hidden.shape[-1], hidden.dtype),
+        capture_hidden_mode=previous.capture_hidden_mode)
 
 
 def process_plain_step_result(original: Any, scheduler: Any, batch: Any, result: Any) -> Any:

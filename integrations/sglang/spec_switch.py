@@ -9,14 +9,17 @@ when speculation is on:
 2. take ``input_ids`` from the last verified tokens and ``positions`` from ``seq_lens``, advance
    ``seq_lens`` by one;
 3. run the target in DECODE mode with ``spec_info=None``, which the multi-mode runner routes to a
-   DECODE graph (hidden states FULL, for step 4);
-4. keep the draft model's KV in step: a one-token draft extend at the same position, fed the target's
-   hidden state, exactly what EAGLE does after a verify, so speculation resumes cleanly.
+   DECODE graph (hidden states FULL for EAGLE, for step 4);
+4. no draft work: the draft model's KV falls behind, and a :class:`~.draft_lag.DraftLag` records from
+   which position (with the target hidden states EAGLE's draft will read there). When speculation
+   resumes, each lagging request catches up with ONE draft extend over its plainly decoded tokens
+   (:func:`~.eagle_v1_catch_up.eagle_v1_catch_up`, SGLang's draft-prefill path), then drafts as usual.
+   So a plain step costs the target's DECODE step only, as decoding without speculation does.
 
 :func:`plain_decode_batch` (steps 1-2) is plain tensors on SGLang objects (the harness's engine-level
-test drives it); :func:`~.eagle_v1_plain.eagle_v1_plain_decode` wires all four steps into SGLang's EAGLE
-v1 worker together with the bookkeeping spec v1 leaves to its verify step (tokens recorded, finish
-checks, draft state for unfinished rows), and :func:`install_speculation_switch` installs it.
+test drives it); :func:`~.eagle_v1_plain.eagle_v1_plain_decode` wires the steps into SGLang's EAGLE v1
+worker together with the bookkeeping spec v1 leaves to its verify step (tokens recorded, finish checks,
+draft state for unfinished rows), and :func:`install_speculation_switch` installs it with the catch-up.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 from graphpool import SpeculationPolicy
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from .draft_lag import DEFAULT_MAX_LAG_STEPS, DraftLag
+from .eagle_v1_catch_up import eagle_v1_catch_up
 from .eagle_v1_plain import eagle_v1_plain_decode, process_plain_step_result
 
 log = logging.getLogger(__name__)
@@ -97,18 +102,24 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
 _originals: Dict[str, Any] = {}
 
 
-def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = None) -> SpeculationSwitch:
+def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = None,
+                               max_lag_steps: int = DEFAULT_MAX_LAG_STEPS) -> SpeculationSwitch:
     """Make SGLang's EAGLE v1 worker decode plainly above ``off_above`` sequences (in this process).
 
-    Prefill batches and small decode batches keep SGLang's speculative path unchanged. Two methods are
-    wrapped: ``EAGLEWorker.forward_batch_generation`` (the decision, and the plain step of
-    :func:`~.eagle_v1_plain.eagle_v1_plain_decode`) and ``Scheduler.process_batch_result_decode`` (plain
-    steps kept out of SGLang's speculation metrics). Installing again replaces the switch.
+    Prefill batches keep SGLang's path; small decode batches keep SGLang's speculative path after a
+    draft catch-up (for requests that decoded plainly since their last speculative step). Two methods
+    are wrapped: ``EAGLEWorker.forward_batch_generation`` (the decision, the plain step of
+    :func:`~.eagle_v1_plain.eagle_v1_plain_decode`, the catch-up) and ``Scheduler.process_batch_result_decode``
+    (plain steps kept out of SGLang's speculation metrics). Installing again replaces the switch.
+
+    ``max_lag_steps``: the draft lag's window (:mod:`.draft_lag`): at most that many plain steps' hidden
+    states kept per request, and caught up; a longer plain phase leaves the draft's older KV stale.
     """
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
     switch = SpeculationSwitch(off_above, on_at_or_below)
+    lag = DraftLag(keep_hidden=None, max_steps=max_lag_steps)  # EAGLE keeps hidden states, STANDALONE not
     original = _originals.get("forward") or EAGLEWorker.forward_batch_generation
     process_decode = _originals.get("process_decode") or Scheduler.process_batch_result_decode
 
@@ -116,18 +127,25 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
     def forward_batch_generation(self: Any, batch: Any) -> Any:
         is_decode = batch.forward_mode.is_decode() and not batch.is_extend_in_batch
         if not is_decode:
+            lag.forget(batch.reqs)  # prefilled (again, after a retraction): the draft prefill covers them
             return original(self, batch)
+        lag.retain(batch.reqs)  # requests that left the batch unfinished (retracted) are prefilled again
         switches = switch.switches
         speculate = switch.speculate(batch.batch_size())
         if switch.switches != switches:
             _log_flip(self, speculate, batch.batch_size(), switch)
-        return original(self, batch) if speculate else eagle_v1_plain_decode(self, batch)
+        if not speculate:
+            return eagle_v1_plain_decode(self, batch, lag)
+        if len(lag):
+            eagle_v1_catch_up(self, batch, lag)
+        return original(self, batch)
 
     @functools.wraps(process_decode)
     def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
         return process_plain_step_result(process_decode, self, batch, result)
 
     forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
+    forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _originals.update(forward=original, process_decode=process_decode)
     EAGLEWorker.forward_batch_generation = forward_batch_generation
     Scheduler.process_batch_result_decode = process_batch_result_decode

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from .draft_lag import DraftLag
 from .spec_switch import SpeculationSwitch
 
 log = logging.getLogger(__name__)
@@ -71,51 +72,6 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
         positions=seq_lens.to(torch.int64), spec_info=None, capture_hidden_mode=CaptureHiddenMode.FULL,
         spec_algorithm=model_runner.spec_algorithm)
     return ForwardBatch(**fields)
-
-
-class DraftLag:
-    """Which requests' draft KV is behind, from which position, and the target hidden states to catch up.
-
-    Plain steps call :meth:`record`; a speculative step first calls :meth:`take` for its requests and runs
-    one draft extend over what it returns. ``keep_hidden=False`` (a draft that reads only tokens, as the
-    test harness's) stores positions only.
-    """
-
-    def __init__(self, keep_hidden: bool = True):
-        self.keep_hidden = keep_hidden
-        self._start: Dict[int, int] = {}
-        self._hidden: Dict[int, List[torch.Tensor]] = {}
-        self.catch_ups = 0
-        self.caught_up_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._start)
-
-    def record(self, rows: List[int], kv_lens: List[int], hidden: Optional[torch.Tensor] = None) -> None:
-        """A plain step wrote the target KV at ``kv_lens`` (one token per row) and not the draft's."""
-        for i, (row, at) in enumerate(zip(rows, kv_lens)):
-            self._start.setdefault(row, at)
-            if self.keep_hidden:
-                if hidden is None:
-                    raise ValueError("DraftLag(keep_hidden=True).record needs the plain step's hidden states")
-                self._hidden.setdefault(row, []).append(hidden[i:i + 1].clone())
-
-    def take(self, rows: List[int]) -> Dict[int, tuple]:
-        """``row -> (first lagging position, [gap, hidden] or None)`` for the lagging ``rows``; forgets them."""
-        out = {}
-        for row in rows:
-            if row in self._start:
-                chunks = self._hidden.pop(row, None)
-                out[row] = (self._start.pop(row), torch.cat(chunks) if chunks else None)
-        if out:
-            self.catch_ups += 1
-        return out
-
-    def forget(self, rows: List[int]) -> None:
-        """Requests that finished (their rows are reused by new requests)."""
-        for row in rows:
-            self._start.pop(row, None)
-            self._hidden.pop(row, None)
 
 
 # ----------------------------------------------------------------------------------- EAGLEWorkerV2 wiring
@@ -178,7 +134,6 @@ def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
     view.seq_lens, view.seq_lens_cpu = batch.seq_lens[idx], batch.seq_lens_cpu[idx]
     hidden = torch.cat([gaps[rows[i]][1] for i in idx])
     draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[idx])
-    lag.caught_up_tokens += sum(view.extend_lens)
     for name in ("topk_p", "topk_index", "hidden_states"):
         full = getattr(batch.spec_info, name)
         if full is not None and getattr(draft_input, name) is not None:
@@ -213,6 +168,8 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
             if not switch.speculate(batch.seq_lens.shape[0]) or self.speculative_num_steps == 0:
                 return eagle_v2_plain_decode(self, batch, lag, on_publish)
             eagle_v2_catch_up(self, batch, lag)
+        elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
+            lag.forget([req.req_pool_idx for req in batch.reqs])
         return original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
                         pp_proxy_tensors=pp_proxy_tensors)
 

@@ -109,6 +109,7 @@ class MultiModeCudaGraphRunner:
         self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
                                       * self.num_tokens_per_bs, dtype=torch.bool, device=self.device)
         self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
         self._seq_lens_int32 = torch.zeros((self.max_bs,), dtype=torch.int32, device=self.device)
         #: Eager fallbacks by reason (``can_run`` refusals), and replays by forward mode, both logged.
         self.refusals: Dict[str, int] = {}
@@ -201,7 +202,7 @@ class MultiModeCudaGraphRunner:
             hidden = self.capture_hidden_modes[forward_mode] = spec_info.capture_hidden_mode
         return common.capture_forward_batch(
             self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
-            capture_hidden_mode=hidden, num_token_non_padded=self.num_token_non_padded,
+            capture_hidden_mode=hidden, num_token_non_padded=self.num_token_non_padded, logits=self.logits_buffer,
             dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph())
 
     def _capture_spec_info(self) -> Any:

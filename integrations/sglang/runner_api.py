@@ -112,6 +112,7 @@ class MultiModeDecodeRunner:
         self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
                                       * self.captured_req_width, dtype=torch.bool, device=self.device)
         self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
 
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
@@ -184,7 +185,7 @@ class MultiModeDecodeRunner:
             hidden = self.capture_hidden_modes[mode] = spec_info.capture_hidden_mode
         fb = common.capture_forward_batch(
             self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
-            capture_hidden_mode=hidden, num_token_non_padded=None,
+            capture_hidden_mode=hidden, num_token_non_padded=None, logits=self.logits_buffer,
             dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), can_run_decode_cuda_graph=True)
         self.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
         self._capture_batches[graph_id] = fb

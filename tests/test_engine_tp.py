@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.engine.kv_cache import DUMMY_SLOT
+
 from bench.engine.agreement import RankDisagreementError
 from bench.engine.config import ModelConfig, SpecConfig
 from bench.engine.harness import build
@@ -64,9 +66,12 @@ def _random_runs(engine, pool, seed: int) -> list:
 
 
 def _kv_max_diff(tp, engine, ref) -> float:
-    """Largest difference between this rank's KV cache and its KV heads' slice of the single-process cache."""
+    """Largest difference between this rank's KV cache and its KV heads' slice of the single-process cache,
+    over every real slot. The dummy slot is left out: every padded row of a step writes it, and on a GPU
+    which of those duplicate-index writes lands last is not defined (seen: 3.5 off on the H200 x2 while
+    every real slot, token and table matched)."""
     heads = slice(tp.rank * engine.num_kv_heads, (tp.rank + 1) * engine.num_kv_heads)
-    diffs = [(mine - full[:, heads]).abs().max().item()
+    diffs = [(mine[DUMMY_SLOT + 1:] - full[DUMMY_SLOT + 1:, heads]).abs().max().item()
              for attn, ref_attn in ((engine.target_attn, ref.target_attn), (engine.draft_attn, ref.draft_attn))
              for mine, full in zip(attn.cache.k + attn.cache.v, ref_attn.cache.k + ref_attn.cache.v)]
     return max(diffs)

@@ -44,6 +44,7 @@ from .backends import CudaGraphBackend, make_backend
 from .buffers import StaticBuffers
 from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
 from .errors import CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
+from .guard import CONCURRENT_USE, ExclusiveUse
 from .modes import GraphKey, KeyTable, Mode, StepInput
 from .outputs import Outputs, clone_outputs, slice_outputs
 from .staging import RingStager, TorchStager
@@ -109,7 +110,7 @@ class GraphPool:
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
-        self._busy = _Exclusive()
+        self._busy = ExclusiveUse()
         self._pending: tuple[Step, int, Any] | None = None  # (staged step, staging thread, its inputs)
 
     # ------------------------------------------------------------------------------------ inspection
@@ -267,7 +268,7 @@ class GraphPool:
             raise StaleStepError("this step is not the latest staged one (a later stage() rewrote its inputs, or it "
                                  "was already replayed): stage it again, then replay it once")
         if pending[1] != threading.get_ident():
-            raise ConcurrentUseError(_CONCURRENT)
+            raise ConcurrentUseError(CONCURRENT_USE)
         self._pending = None
         entry, real_bs = step.entry, step.real_bs
         if self.debug:
@@ -321,24 +322,3 @@ class GraphPool:
         except DeviceFaultError as exc:
             raise DeviceFaultError(f"graph (mode {key.mode!r}, bs {key.bs}) faulted: {exc}") from exc.__cause__
         self._stager.check_sync()
-
-
-class _Exclusive:
-    """``with``: enter, or raise :class:`ConcurrentUseError` at once if another thread is inside. A
-    non-blocking acquire cannot miss an overlap (a plain flag could) and costs well under a microsecond."""
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> None:
-        if not self._lock.acquire(False):
-            raise ConcurrentUseError(_CONCURRENT)
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-_CONCURRENT = ("two threads used one GraphPool at once (or one replayed a step another staged); a pool serves one "
-               "caller at a time: use one pool per thread, or hold a lock around each run / stage+replay")

@@ -8,8 +8,10 @@ generations have (``forward_batch_info``, ``eagle_info``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -139,3 +141,22 @@ def verify_capture_input(model_runner: Any, custom_mask: torch.Tensor, *, num_st
         draft_token_num=num_draft_tokens,
         capture_hidden_mode=CaptureHiddenMode.NULL if spec.is_standalone() else CaptureHiddenMode.FULL,
         seq_lens_sum=None, seq_lens_cpu=None)
+
+
+@contextlib.contextmanager
+def capture_context(device: Any, memory_pool: Any, set_graph_pool_id: Callable[[Any], None],
+                    model_capture_mode: Callable[[], Any]) -> Iterator[None]:
+    """What SGLang wraps its own capture in, for both runner generations (they import the two helpers from
+    different modules). ``graph_capture()`` lets tensor-parallel all-reduce register the graphs' buffers; it
+    needs the TP group, which a single-process test harness does not create."""
+    from sglang.srt.distributed import parallel_state
+
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:  # symmetric-memory all-reduce looks the graph pool up by this id
+        set_graph_pool_id(memory_pool)
+    with model_capture_mode():
+        if on_cuda and parallel_state.model_parallel_is_initialized():
+            with parallel_state.graph_capture():
+                yield
+        else:
+            yield

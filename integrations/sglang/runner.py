@@ -20,9 +20,8 @@ skip_attn_backend_init=True)``) keeps working.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
 
@@ -162,21 +161,9 @@ class MultiModeCudaGraphRunner:
         log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
                  [m.name for m in self.tokens_per_mode], self.capture_bs)
 
-    @contextlib.contextmanager
-    def _capture_context(self) -> Iterator[None]:
-        # SGLang's graph_capture() lets tensor-parallel all-reduce register the graphs' buffers; it
-        # needs the TP group, which a single-process test harness does not create.
-        from sglang.srt.distributed import parallel_state
-
-        on_cuda = torch.device(self.device).type == "cuda"
-        if on_cuda:  # symmetric-memory all-reduce looks the graph pool up by this id
-            sglang_runner.set_graph_pool_id(self.pool.memory_pool)
-        with sglang_runner.model_capture_mode():
-            if on_cuda and parallel_state.model_parallel_is_initialized():
-                with parallel_state.graph_capture():
-                    yield
-            else:
-                yield
+    def _capture_context(self) -> Any:
+        return common.capture_context(self.device, self.pool.memory_pool, sglang_runner.set_graph_pool_id,
+                                      sglang_runner.model_capture_mode)
 
     def _prepare_capture(self, batch: StepBatch, real_bs: int) -> None:
         """Pool hook, run outside the graph. At capture: build the key's ForwardBatch and attention

@@ -19,10 +19,9 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -149,23 +148,10 @@ class MultiModeDecodeRunner:
         log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
                  [m.name for m in self.tokens_per_mode], self.capture_bs)
 
-    @contextlib.contextmanager
-    def _capture_context(self) -> Iterator[None]:
-        # SGLang's graph_capture() lets tensor-parallel all-reduce register the graphs' buffers; it needs
-        # the TP group, which a single-process test harness does not create.
-        from sglang.srt.distributed import parallel_state
+    def _capture_context(self) -> Any:
+        from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id
 
-        on_cuda = torch.device(self.device).type == "cuda"
-        if on_cuda:  # symmetric-memory all-reduce looks the graph pool up by this id
-            from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id
-
-            set_graph_pool_id(self.pool.memory_pool)
-        with model_capture_mode():
-            if on_cuda and parallel_state.model_parallel_is_initialized():
-                with parallel_state.graph_capture():
-                    yield
-            else:
-                yield
+        return common.capture_context(self.device, self.pool.memory_pool, set_graph_pool_id, model_capture_mode)
 
     def _prepare_capture(self, batch: StepBatch, real_bs: int) -> None:
         """Pool hook, outside the graph. At capture: build the key's ForwardBatch and plan its attention

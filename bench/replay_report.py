@@ -69,17 +69,23 @@ def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool
         "graph pads. eager: no graph. gp stage: graphpool's validate + route + stage alone. gp ovh, sgl ovh: "
         "gpool and sglang above the floor. ratio: gp ovh / sgl ovh."))
     lines += ["", "GPU us per step (median, CUDA events around staging + replay)",
-              f"{'mode':<7}{'bs':>5}{'floor':>9}{'gpool':>9}{'gpool-floor':>12}{'sglang':>9}{'match':>7}"]
+              f"{'mode':<7}{'bs':>5}{'floor':>9}{'gpool':>9}{'gpool-floor':>12}{'sglang':>9}{'match':>7}"
+              f"{'b2b floor':>11}{'b2b gpool':>11}{'b2b added':>11}"]
     for m in modes:
         for b in sizes:
             g = {meth: get[m.name, b, meth]["gpu_us"] for meth in ("floor", "graphpool", "sglang")}
+            f2, g2 = (get[m.name, b, meth].get("gpu_b2b_us", float("nan")) for meth in ("floor", "graphpool"))
             lines.append(f"{m.name:<7}{b:>5}{g['floor']:>9.1f}{g['graphpool']:>9.1f}{g['graphpool'] - g['floor']:>12.1f}"
-                         f"{g['sglang']:>9.1f}{get[m.name, b, 'graphpool']['token_match']:>7.2f}")
+                         f"{g['sglang']:>9.1f}{get[m.name, b, 'graphpool']['token_match']:>7.2f}"
+                         f"{f2:>11.1f}{g2:>11.1f}{g2 - f2:>11.1f}")
     lines.append(explain(
         "floor: GPU time of the step's graph alone (no staging), replayed on pre-staged buffers: the GPU floor. "
         "gpool: graphpool's step, its in-graph staging node included. gpool-floor: what graphpool's staging "
-        "adds on the GPU. sglang: the SGLang-style step (its copies and fills are separate launches). match: "
-        "share of greedy tokens pool.run returned equal to the eager step's (bf16 can break near-ties)."))
+        "adds on the GPU, with graphpool's host staging time (the GPU starts idle, so it waits for the host). "
+        "sglang: the SGLang-style step (its copies and fills are separate launches). match: share of greedy "
+        "tokens pool.run returned equal to the eager step's (bf16 can break near-ties). b2b floor, b2b gpool: "
+        "GPU us per step over blocks of steps issued back to back (the host ahead of the GPU, so this is the "
+        "GPU's own time); b2b added: the staging node's GPU cost (issue 14's target: <= 2 us)."))
     lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}")
     lines.append(f"acceptance (ratio <= 0.1 and graphpool validate+route+stage <= 10 us at every key): "
                  f"{'PASS' if ok and misses == 0 else 'FAIL'}")

@@ -60,14 +60,14 @@ if ! has triton; then
     pip_install "$TRITON_CPU"
   fi
 fi
-missing=$(for module in pytest numpy matplotlib ninja; do has "$module" || echo "$module"; done | xargs)
+missing=$(for module in pytest pytest_timeout numpy matplotlib ninja; do has "$module" || echo "$module"; done | xargs)
 if [ -n "$missing" ]; then
   echo "quickstart: missing $missing: installing graphpool (editable) with its dev extra"
   pip_install -e ".[dev]"
 elif ! (cd / && "$PY" -c "import graphpool" >/dev/null 2>&1); then
   # Everything else is there (a prepared GPU box, maybe without network): link this checkout into the
   # environment without downloading anything. If even that fails, graphpool still runs from here.
-  echo "quickstart: pytest, numpy, matplotlib and ninja are installed; installing graphpool itself" \
+  echo "quickstart: pytest, pytest-timeout, numpy, matplotlib and ninja are installed; installing graphpool itself" \
        "(editable, nothing downloaded)"
   if ! log=$("$PY" -m pip install -qq --no-deps --no-build-isolation -e . 2>&1); then
     echo "quickstart: graphpool was not installed ($(printf '%s\n' "$log" | tail -n 1));" \

@@ -37,7 +37,7 @@ setup(
         # staging kernel in its interpreter in the CPU tests; CI pins 3.6.0 (quickstart.sh).
         "triton": ["triton>=3.0"],
         # The tests, the benchmarks' plots, and ninja for the C++ input checker's JIT build.
-        "dev": ["pytest>=8", "numpy", "matplotlib", "ninja"],
+        "dev": ["pytest>=8", "pytest-timeout", "numpy", "matplotlib", "ninja"],
         # A real SGLang server (CUDA machine): `pip install -e ".[sglang]"`.
         "sglang": [SGLANG],
         # CI (CPU): SGLang's classes without its CUDA stack; then `pip install --no-deps sglang==0.5.12.post1`.

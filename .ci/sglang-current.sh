@@ -14,12 +14,12 @@ VENV=.venv-sglang-current
 
 python3 -m venv "$VENV"
 source "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0           # the pinned CPU build first, as in .ci/run
-python -m pip install -q triton==3.6.0 numpy pytest pytest-timeout
-python -m pip install -q --no-deps -e .
-python -m pip install -q --no-warn-conflicts --no-deps sglang==0.5.23
-python -m pip install -q --no-warn-conflicts -r .ci/sglang-current-requirements.txt  # SGLang's pins unmet on purpose
+python -m pip install -qq --upgrade pip
+python -m pip install -qq torch==2.13.0           # the pinned CPU build first, as in .ci/run
+python -m pip install -qq triton==3.6.0 numpy pytest pytest-timeout
+python -m pip install -qq --no-deps -e .
+python -m pip install -qq --no-warn-conflicts --no-deps sglang==0.5.23
+python -m pip install -qq --no-warn-conflicts -r .ci/sglang-current-requirements.txt  # SGLang's pins unmet on purpose
 python -c "import sglang, torch; print('second environment: sglang', sglang.__version__, 'torch', torch.__version__)"
 
 set +e

@@ -111,7 +111,9 @@ class GraphPool:
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
         self._busy = ExclusiveUse()
-        self._pending: tuple[Step, int, Any] | None = None  # (staged step, staging thread, its inputs)
+        self._pending: Step | None = None    # the latest staged step, not yet replayed
+        self._pending_thread = 0              # the thread that staged it
+        self._pending_inputs: Any = None      # its inputs (debug mode's bounds check)
 
     # ------------------------------------------------------------------------------------ inspection
     @property
@@ -255,24 +257,26 @@ class GraphPool:
         if step is None:
             step = self._router.miss(mode_obj, real_bs, inputs)
         else:
-            stager.fill(step.entry.key, real_bs, ordered if ordered is not None else tuple(inputs.values()),
+            # Held until the ring row is reused: the ordered tensors, or (C++ path) the caller's kwargs dict.
+            stager.fill(step.entry.key, real_bs, ordered if ordered is not None else inputs,
                         row_written=ordered is None)
             if step.entry.stage_run is not None:
                 step.entry.stage_run()
-        self._pending = (step, threading.get_ident(), inputs if self.debug else None)
+        # The step replay() may run next, staged by this thread (attributes, not a tuple: nothing allocated).
+        self._pending, self._pending_thread = step, threading.get_ident()
+        self._pending_inputs = inputs if self.debug else None
         return step
 
     def _replay(self, step: Step) -> Outputs:
-        pending = self._pending
-        if pending is None or pending[0] is not step:
+        if self._pending is not step:
             raise StaleStepError("this step is not the latest staged one (a later stage() rewrote its inputs, or it "
                                  "was already replayed): stage it again, then replay it once")
-        if pending[1] != threading.get_ident():
+        if self._pending_thread != threading.get_ident():
             raise ConcurrentUseError(CONCURRENT_USE)
         self._pending = None
         entry, real_bs = step.entry, step.real_bs
         if self.debug:
-            self._rules.check_bounds([pending[2][n] for n in self._rules.names])
+            self._rules.check_bounds([self._pending_inputs[n] for n in self._rules.names])
         batch = step.batch if entry is None else entry.batch
         if self._prepare is not None:
             self._prepare(batch, real_bs)

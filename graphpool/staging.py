@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,7 +106,7 @@ class RingStager:
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
         self._ring_address = self.ring.data_ptr()
         self._done = memoryview(self.done.numpy()).cast("B").cast("q")  # fast scalar reads of GPU progress
-        self._held: list[Sequence[torch.Tensor] | None] = [None] * slots
+        self._held: list[Any] = [None] * slots
         self._issued = 0  # staging kernels enqueued for execution (captures excluded)
 
     def claim(self) -> int:
@@ -116,8 +116,9 @@ class RingStager:
             self._synchronize()
         return self._ring_address + (self._issued % self.slots) * self._row.size
 
-    def fill(self, key: GraphKey, real_bs: int, inputs: Sequence[torch.Tensor], row_written: bool) -> None:
-        """Write the claimed row (unless the C++ checker did) and hold ``inputs`` until the row is reused."""
+    def fill(self, key: GraphKey, real_bs: int, inputs: Any, row_written: bool) -> None:
+        """Write the claimed row (unless the C++ checker did; then ``inputs`` may be any object holding the
+        tensors, e.g. the caller's dict) and hold ``inputs`` until the row is reused."""
         slot = self._issued % self.slots
         if not row_written:
             self._row.pack_into(self._ring_bytes, slot * self._row.size, real_bs, *(t.data_ptr() for t in inputs))

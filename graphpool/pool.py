@@ -43,8 +43,7 @@ import torch
 from .backends import CudaGraphBackend, make_backend
 from .buffers import StaticBuffers
 from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
-from .errors import CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
-from .guard import CONCURRENT_USE, ExclusiveUse
+from .errors import CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
 from .modes import GraphKey, KeyTable, Mode, StepInput
 from .outputs import Outputs, clone_outputs, slice_outputs
 from .staging import RingStager, TorchStager
@@ -110,10 +109,9 @@ class GraphPool:
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
-        self._busy = ExclusiveUse()
+        self._busy = threading.Lock()  # held inside run/stage/replay; a second thread raises at once
         self._pending: Step | None = None    # the latest staged step, not yet replayed
         self._pending_thread = 0              # the thread that staged it
-        self._pending_inputs: Any = None      # its inputs (debug mode's bounds check)
 
     # ------------------------------------------------------------------------------------ inspection
     @property
@@ -217,10 +215,15 @@ class GraphPool:
             ConcurrentUseError: another thread is inside this pool. Debug mode adds IndexBoundsError,
             DeviceFaultError and RingDesyncError.
         """
-        with self._busy:
+        if not self._busy.acquire(False):  # a plain lock, not a `with` object: two Python calls less per step
+            raise ConcurrentUseError(CONCURRENT_USE)
+        try:
+            self._pending = None  # a step staged earlier is stale now (this one rewrites the ring row)
             out = self._replay(self._stage(mode, inputs))
             # Copies are enqueued before another thread may replay a graph over these outputs.
             return clone_outputs(out) if copy else out
+        finally:
+            self._busy.release()
 
     def stage(self, mode: str, **inputs: torch.Tensor) -> Step:
         """Validate and route a step and stage its inputs; :meth:`replay` runs it.
@@ -231,13 +234,30 @@ class GraphPool:
         .. warning:: replay each staged step once, before staging the next (the next ``stage`` rewrites
             its inputs: replaying it then raises :class:`StaleStepError`).
         """
-        with self._busy:
-            return self._stage(mode, inputs)
+        if not self._busy.acquire(False):
+            raise ConcurrentUseError(CONCURRENT_USE)
+        try:
+            step = self._stage(mode, inputs)
+            # The step replay() may run next, staged by this thread (attributes, not a tuple: no allocation).
+            self._pending, self._pending_thread = step, threading.get_ident()
+            return step
+        finally:
+            self._busy.release()
 
     def replay(self, step: Step) -> Outputs:
         """Run the step from the latest :meth:`stage`: ``prepare``, then its graph (or the eager miss path)."""
-        with self._busy:
+        if not self._busy.acquire(False):
+            raise ConcurrentUseError(CONCURRENT_USE)
+        try:
+            if self._pending is not step:
+                raise StaleStepError("this step is not the latest staged one (a later stage() rewrote its inputs, or "
+                                     "it was already replayed): stage it again, then replay it once")
+            if self._pending_thread != threading.get_ident():
+                raise ConcurrentUseError(CONCURRENT_USE)
+            self._pending = None
             return self._replay(step)
+        finally:
+            self._busy.release()
 
     def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
         plan = self._router.plans.get(mode)
@@ -253,6 +273,8 @@ class GraphPool:
             real_bs, ordered = self._rules.check(mode_obj, inputs, shapes)
         else:
             ordered = None
+        if self.debug:
+            self._rules.check_bounds([inputs[n] for n in self._rules.names])
         step = steps[real_bs] if real_bs < len(steps) else None
         if step is None:
             step = self._router.miss(mode_obj, real_bs, inputs)
@@ -262,21 +284,10 @@ class GraphPool:
                         row_written=ordered is None)
             if step.entry.stage_run is not None:
                 step.entry.stage_run()
-        # The step replay() may run next, staged by this thread (attributes, not a tuple: nothing allocated).
-        self._pending, self._pending_thread = step, threading.get_ident()
-        self._pending_inputs = inputs if self.debug else None
         return step
 
     def _replay(self, step: Step) -> Outputs:
-        if self._pending is not step:
-            raise StaleStepError("this step is not the latest staged one (a later stage() rewrote its inputs, or it "
-                                 "was already replayed): stage it again, then replay it once")
-        if self._pending_thread != threading.get_ident():
-            raise ConcurrentUseError(CONCURRENT_USE)
-        self._pending = None
         entry, real_bs = step.entry, step.real_bs
-        if self.debug:
-            self._rules.check_bounds([self._pending_inputs[n] for n in self._rules.names])
         batch = step.batch if entry is None else entry.batch
         if self._prepare is not None:
             self._prepare(batch, real_bs)

@@ -252,6 +252,10 @@ def test_replaying_a_step_twice_or_after_a_later_stage_is_refused():
     pool.replay(again)
     with pytest.raises(gp.StaleStepError):
         pool.replay(again)
+    staged = pool.stage("decode", **random_step(MODES[0], 3, "cpu", rng))
+    pool.run("verify", **random_step(MODES[1], 1, "cpu", rng))  # a run in between rewrites the ring row
+    with pytest.raises(gp.StaleStepError):
+        pool.replay(staged)
     assert_step_exact(pool, toy, "cpu", "verify", 6, rng)
 
 

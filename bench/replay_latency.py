@@ -2,12 +2,15 @@
 
 For every (mode, bs) it reports capture time and graph bytes, and for each method the host time of
 staging and of replay (median over iterations, GPU idle at the start of each, so the host cost is seen
-alone) and the GPU time of the whole step (CUDA events). Methods:
+alone), the host time per step again with steps issued back to back (the GPU busy, as in a decode loop),
+and the GPU time of the whole step (CUDA events), idle-start and back to back. Methods:
 
   floor            the same step's graph without staging (a pool with ``staging="torch"``), replayed with
                    ``pool.graph(mode, bs).replay()`` on buffers staged once beforehand: the least any
                    method can cost, on the host and on the GPU
-  graphpool        ``pool.run``: validate, route, write the ring row; the graph's first node stages
+  graphpool        ``pool.stage`` + ``pool.replay``: validate, route, write the ring row; the graph's
+                   first node stages
+  graphpool-run    the same in one call, ``pool.run`` (what a decode loop calls; the overhead judged)
   graphpool+prep   ring staging as its own small graph, then a (no-op) prepare hook, then the step graph
   triton-launch    the same staging kernel launched eagerly from Python, then the step graph
   sglang           SGLang's way: tail fills when padded, then a slice ``copy_`` per buffer
@@ -99,6 +102,7 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
             replay(stage())
     samples = {name: ([], [], []) for name in methods}
     b2b_us: dict[str, list[float]] = {}
+    b2b_host: dict[str, list[float]] = {}
     start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
     block = 10  # consecutive steps of one method: its code stays in the CPU caches, as in a decode loop
     for _ in range(max(1, iters // block)):
@@ -123,15 +127,19 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
             if cuda:  # back to back: the host stays ahead, so the events time the GPU's own work per step
                 sync()
                 start.record()
-                for _ in range(block):
+                host = b2b_host.setdefault(name, [])
+                for _ in range(block):  # the host time of each, as a decode loop sees it (GPU busy, caches warm)
+                    t0 = time.perf_counter()
                     replay(stage())
+                    host.append((time.perf_counter() - t0) * 1e6)
                 end.record()
                 end.synchronize()
                 b2b_us.setdefault(name, []).append(start.elapsed_time(end) * 1e3 / block)
     med = statistics.median
     return {name: {"stage_us": med(st), "replay_us": med(rp), "host_us": med(st) + med(rp),
                    "gpu_us": med(gp) if gp else float("nan"),
-                   "gpu_b2b_us": med(b2b_us[name]) if name in b2b_us else float("nan")}
+                   "gpu_b2b_us": med(b2b_us[name]) if name in b2b_us else float("nan"),
+                   "host_b2b_us": med(b2b_host[name]) if name in b2b_host else float("nan")}
             for name, (st, rp, gp) in samples.items()}
 
 
@@ -158,6 +166,7 @@ def bench_key(pools: dict[str, gp.GraphPool], extras: dict, step: default_step.B
             pad_count.fill_(bs)
         methods.update({
             "floor": (lambda: None, lambda _: graph.replay()),
+            "graphpool-run": (lambda: None, lambda _: ring_pool.run(name, **inputs)),
             "graphpool+prep": (lambda: prep_pool.stage(name, **inputs), prep_pool.replay),
             "triton-launch": (triton_stage, lambda _: graph.replay()),
             "sglang": (lambda: sglang(mode, bs, inputs), lambda _: graph.replay()),

@@ -12,8 +12,10 @@ replays, the host far ahead), so each kind's added GPU time per step is measured
   dev-read      + a kernel that reads a device word, then stores it to device memory
   host-read     + a kernel that reads a word of pinned host memory (over PCIe), stores it to device memory
   host-write    + a kernel that stores a word to pinned host memory
-  chain         + device counter -> host row -> device data -> store, and a host store: the staging
-                  kernel's dependency chain in one program
+  chain         + device counter -> host ring slot -> device data -> store, and a host store: the staging
+                  kernel's dependency chain (8 programs)
+  chain-nowr    the same without the host store (progress published less often?)
+  whole-ring    the same, reading all 64 ring slots beside the counter (no counter -> host dependency)
 
 It needs CUDA and Triton. Usage: ``python bench/staging_probe.py [--iters 400]``; prints one table.
 """
@@ -37,31 +39,42 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _probe(counter_ptr, host_addr, data_ptr, sink_ptr, READ_DEVICE: tl.constexpr, READ_HOST: tl.constexpr,
-           WRITE_HOST: tl.constexpr, CHAIN: tl.constexpr):
+           WRITE_HOST: tl.constexpr, CHAIN: tl.constexpr, WHOLE_RING: tl.constexpr, SLOTS: tl.constexpr):
     host = host_addr.to(tl.pointer_type(tl.int64))
+    program = tl.program_id(0)
     value = tl.zeros((), tl.int64)
     if READ_DEVICE:
-        value += tl.load(counter_ptr)
+        value += tl.load(counter_ptr + program)
     if READ_HOST:
         value += tl.load(host)
     if CHAIN:
-        step = tl.load(counter_ptr)
-        tl.store(counter_ptr, step + 1)
-        offset = tl.load(host + step % 2)          # depends on the counter
+        step = tl.load(counter_ptr + program)
+        tl.store(counter_ptr + program, step + 1)
+        if WHOLE_RING:  # every slot's word read at once, beside the counter; the right one picked after
+            slots = tl.arange(0, SLOTS)
+            ring = tl.load(host + slots)
+            offset = tl.sum(tl.where(slots == step % SLOTS, ring, 0))
+        else:  # the counter first, then the slot it names: two dependent reads
+            offset = tl.load(host + step % SLOTS)
         value += tl.load(data_ptr + (offset % 8))   # depends on the host row
-    tl.store(sink_ptr, value)
+    tl.store(sink_ptr + program, value)
     if WRITE_HOST:
-        tl.store(host + 4, value)
+        if program == 0:
+            tl.store(host + SLOTS, value)
 
 
-KINDS = {
+_OFF = dict(READ_DEVICE=False, READ_HOST=False, WRITE_HOST=False, CHAIN=False, WHOLE_RING=False)
+KINDS = {  # name: (flags, programs)
     "bare": None,
-    "empty": dict(READ_DEVICE=False, READ_HOST=False, WRITE_HOST=False, CHAIN=False),
-    "dev-read": dict(READ_DEVICE=True, READ_HOST=False, WRITE_HOST=False, CHAIN=False),
-    "host-read": dict(READ_DEVICE=False, READ_HOST=True, WRITE_HOST=False, CHAIN=False),
-    "host-write": dict(READ_DEVICE=False, READ_HOST=False, WRITE_HOST=True, CHAIN=False),
-    "chain": dict(READ_DEVICE=False, READ_HOST=False, WRITE_HOST=True, CHAIN=True),
+    "empty": ({**_OFF}, 1),
+    "dev-read": ({**_OFF, "READ_DEVICE": True}, 1),
+    "host-read": ({**_OFF, "READ_HOST": True}, 1),
+    "host-write": ({**_OFF, "WRITE_HOST": True}, 1),
+    "chain": ({**_OFF, "CHAIN": True, "WRITE_HOST": True}, 8),
+    "chain-nowr": ({**_OFF, "CHAIN": True}, 8),
+    "whole-ring": ({**_OFF, "CHAIN": True, "WHOLE_RING": True, "WRITE_HOST": True}, 8),
 }
+SLOTS = 64
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     keys = [(gp.Mode(n, int(t)), int(b)) for n, t, b in (k.split(":") for k in args.keys.split(","))]
     step = default_step.make(device, max(m.tokens_per_seq * b for m, b in keys))
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    host = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    counter = torch.zeros(8, dtype=torch.int64, device=device)
+    host = torch.zeros(SLOTS + 1, dtype=torch.int64, pin_memory=True)
     data = torch.arange(8, dtype=torch.int64, device=device)
-    sink = torch.zeros(1, dtype=torch.int64, device=device)
-    pool = torch.cuda.graph_pool_handle()
+    sink = torch.zeros(8, dtype=torch.int64, device=device)
     rows = []
     for mode, bs in keys:
         inputs = step.sample(mode, bs)
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, flags in KINDS.items():
             def body(flags=flags) -> None:
                 if flags is not None:
-                    _probe[(1,)](counter, host.data_ptr(), data, sink, **flags)
+                    _probe[(flags[1],)](counter, host.data_ptr(), data, sink, SLOTS=SLOTS, **flags[0])
                 step.step_fn(batch)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -96,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 body()  # compile and warm up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph):
                 body()
             graphs[kind] = graph
         times = {kind: [] for kind in graphs}
@@ -120,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8} {bs:3d} {med['bare']:8.1f} " + " ".join(f"{'+%.2f' % (med[k] - med['bare']):>11}" for k in kinds[1:]))
     print("bare: the step's graph alone. empty: + a kernel node storing one device word. dev-read: + one dependent "
           "device read. host-read: + one read of pinned host memory. host-write: + one store to pinned host memory. "
-          "chain: device counter -> host row -> device data -> store, plus a host store (the staging kernel's chain).")
+          "chain: 8 programs, each device counter -> host ring slot -> device data -> store, program 0 a host store "
+          "(the staging kernel's chain). chain-nowr: without the host store. whole-ring: every ring slot read beside "
+          "the counter (no counter -> host dependency).")
     return 0
 
 

@@ -96,7 +96,7 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
     from bench.replay_report import GRAPH_METHODS, summary
     modes = [gp.Mode("decode", 1)]
     rows = [{"mode": "decode", "bs": 1, "method": m, "stage_us": 2.0, "replay_us": 5.0 + i, "host_us": 7.0 + i,
-             "gpu_us": 100.0 + i, "gpu_b2b_us": 90.0 + 2 * i, "token_match": 1.0}
+             "gpu_us": 100.0 + i, "gpu_b2b_us": 90.0 + 2 * i, "host_b2b_us": 4.0 + i, "token_match": 1.0}
             for i, m in enumerate(GRAPH_METHODS + ["eager"])]
     text = summary(rows, modes, [1], cuda=True, misses=0)
     flat = " ".join(text.split())
@@ -104,9 +104,17 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
     # floor 100.0, graphpool 101.0: the difference 1.0 is printed beside them; back to back 90.0 and 92.0: 2.0
     floor_i, gpool_i = GRAPH_METHODS.index("floor"), GRAPH_METHODS.index("graphpool")
     b2b = [90.0 + 2 * floor_i, 90.0 + 2 * gpool_i]
-    assert gpu_line.split()[:7] == ["decode", "1", "100.0", "101.0", "1.0", "104.0", "1.00"]
+    sglang_i = GRAPH_METHODS.index("sglang")
+    assert gpu_line.split()[:7] == ["decode", "1", "100.0", f"{100.0 + gpool_i:.1f}", f"{gpool_i - floor_i:.1f}",
+                                    f"{100.0 + sglang_i:.1f}", "1.00"]
     assert gpu_line.split()[7:] == [f"{b2b[0]:.1f}", f"{b2b[1]:.1f}", f"{b2b[1] - b2b[0]:.1f}"]
-    for column in ("floor:", "gpool:", "gp+prep:", "triton:", "sglang:", "foreach:", "g-pad:", "eager:",
+    lines = text.splitlines()
+    b2b_host = lines[[i for i, l in enumerate(lines) if l.startswith("host us per step (median, steps issued back")][0] + 2]
+    run_i = GRAPH_METHODS.index("graphpool-run")
+    want = [4.0 + floor_i, 4.0 + run_i, 4.0 + sglang_i]
+    assert b2b_host.split() == ["decode", "1", *(f"{v:.1f}" for v in want), f"{want[1] - want[0]:.1f}",
+                                f"{want[2] - want[0]:.1f}", f"{(want[1] - want[0]) / (want[2] - want[0]):.3f}"]
+    for column in ("floor:", "run:", "st+rp:", "gpool:", "gp+prep:", "triton:", "sglang:", "foreach:", "g-pad:", "eager:",
                    "gp stage:", "gp ovh, sgl ovh:", "ratio:", "gpool-floor:", "match:", "b2b floor, b2b gpool:",
                    "b2b added:"):
         assert column in flat, column

@@ -289,9 +289,9 @@ def run(tp, args: argparse.Namespace) -> int:
     second = [v for v in args.variants if v.startswith("dynamic")]
     total, done = len(args.variants) * len(args.concurrency), 0
     threshold = resume = None
-    if gpu:  # first-use costs (cuBLAS picking kernels for new shapes, NCCL's lazy set-up, allocator growth)
-        # would land in the first timed point of each variant: run each once, untimed, at the smallest C
-        warm = argparse.Namespace(**{**vars(args), "steps": min(args.steps, 8), "min_seconds": 0.0})
+    if gpu:  # first-use costs (cuBLAS picking kernels for new shapes, NCCL's lazy set-up, allocator growth,
+        # clocks) would land in the first timed point of each variant: run each untimed at the smallest C first
+        warm = argparse.Namespace(**{**vars(args), "min_seconds": 0.5})
         for v in first:
             run_variant(engine, pool, v, args.concurrency[0], warm, None)
     for phase in (first, second):

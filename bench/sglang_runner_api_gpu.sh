@@ -34,9 +34,11 @@ make)
 run)
   OUT=${OUT:-out}; mkdir -p "$OUT"; SITE=/tmp/site-sglang514
   [ -d "$WHEELS" ] || { echo "no $WHEELS: run 'bash bench/sglang_runner_api_gpu.sh make' on the CPU machine"; exit 2; }
-  if [ ! -f "$SITE/.done" ]; then
+  wheels=$(ls "$WHEELS" | md5sum | cut -c1-12)  # reinstall when the set of wheels changed
+  if [ "$(cat "$SITE/.done" 2>/dev/null)" != "$wheels" ]; then
+    rm -rf "$SITE"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      "$WHEELS"/*.whl && touch "$SITE/.done"
+      "$WHEELS"/*.whl && echo "$wheels" > "$SITE/.done"
   fi
   export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRAPHPOOL_NO_EXTENSION=1
   python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" \

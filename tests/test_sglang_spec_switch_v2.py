@@ -74,9 +74,9 @@ class SpecV2World:
         n, t = len(rows), self.cfg.draft_tokens
         idx, lens = torch.tensor(rows, device=self.dev), self._lens(rows)
         slots = self.alloc.alloc(n * t, self.dev).view(n, t)
-        self.target.req_to_token_pool.write((idx[:, None].expand(n, t), lens[:, None] + torch.arange(t)), slots.int())
+        self.target.req_to_token_pool.write((idx[:, None].expand(n, t), lens[:, None] + torch.arange(t, device=self.dev)), slots.int())
         positions = (lens[:, None] + tree.depth).reshape(-1)
-        mask = torch.cat([torch.cat([torch.ones((t, int(length)), dtype=torch.bool), tree.mask[i]], 1).reshape(-1)
+        mask = torch.cat([torch.cat([torch.ones((t, int(length)), dtype=torch.bool, device=self.dev), tree.mask[i]], 1).reshape(-1)
                           for i, length in enumerate(lens.tolist())])
         spec = EagleVerifyInput(
             draft_token=tree.tokens.reshape(-1), custom_mask=mask, positions=positions, retrieve_index=None,
@@ -92,7 +92,7 @@ class SpecV2World:
         acc = greedy_accept(tree, out.logits_output.next_token_logits.argmax(-1).view(n, t), DRAFT_STEPS)
         for i, r in enumerate(rows):  # SGLang moves the accepted path's KV to consecutive positions
             k = int(acc.accept_len[i])
-            self.target.req_to_token_pool.req_to_token[r, lens[i] + torch.arange(k)] = slots[i, acc.path[i, :k]].int()
+            self.target.req_to_token_pool.req_to_token[r, lens[i] + torch.arange(k, device=self.dev)] = slots[i, acc.path[i, :k]].int()
             committed = acc.new_tokens[i, :k].tolist()
             H.extend(self.draft, [r], [int(lens[i])], [[self.reqs.tokens[r][-1]] + committed[:-1]])
             self.reqs.tokens[r].extend(committed)

@@ -75,6 +75,8 @@ def server_specs(a: argparse.Namespace, dtype: str, spec: str, port: int) -> Dic
               "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "3",
               "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"]
     switch = ["--graphpool-spec-off-above", str(a.off_above), "--graphpool-spec-on-at-or-below", str(a.on_at)]
+    if a.min_accept:  # speculation also pauses while the draft is below break-even (AcceptanceGate)
+        switch += ["--graphpool-spec-min-accept", str(a.min_accept)]
     gp, sgl = "graphpool.integrations.sglang.launch", "sglang.launch_server"
     specs = [ServerSpec("stock", "SGLang, no speculation", sgl, base),
              ServerSpec("gp-switch", "graphpool runner + switch", gp, base + sp + switch, speculative=True,
@@ -229,6 +231,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="auto: float32 when SGLang's kernels take it (a quick probe), else bfloat16")
     p.add_argument("--off-above", type=int, default=8)
     p.add_argument("--on-at", type=int, default=4)
+    p.add_argument("--min-accept", type=float, default=1.5,
+                   help="gp-switch: pause speculation while verify steps commit fewer tokens per sequence "
+                        "(0: batch size alone decides; default %(default)s)")
     p.add_argument("--deadline-s", type=float, default=float(os.environ.get("DEADLINE_S", 540)))
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--python", default=sys.executable)

@@ -54,6 +54,11 @@ def test_launcher_splits_its_arguments_from_sglangs():
         GraphpoolOptions(4, None, keep_sglang_runner=True)
     with pytest.raises(SystemExit, match="only makes sense with the switch"):
         split_args(["--graphpool-keep-sglang-runner"])
+    assert split_args(["--graphpool-spec-off-above", "8", "--graphpool-spec-min-accept", "1.4"])[0] == \
+        GraphpoolOptions(8, None, spec_min_accept=1.4)
+    for bad in (["--graphpool-spec-min-accept", "1.4"], ["--graphpool-spec-off-above", "8", "--graphpool-spec-min-accept", "1"]):
+        with pytest.raises(SystemExit, match="--graphpool-spec-min-accept needs"):
+            split_args(bad)
     with pytest.raises(SystemExit, match="on-at-or-below <= --graphpool-spec-off-above"):
         split_args(["--graphpool-spec-off-above", "4", "--graphpool-spec-on-at-or-below", "8"])
     args = type("Args", (), {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False})()

@@ -360,6 +360,45 @@ def test_resume_on_a_mixed_batch_catches_up_the_lagging_rows_only(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("graphpool")]
 
 
+def test_acceptance_gate_pauses_speculation_below_break_even_and_probes_again(caplog):
+    """With a break-even above what verify steps commit (here every draft is accepted: draft_tokens per
+    sequence), the gate lets one window of verify steps measure, then decodes plainly for its pause,
+    then probes again, at batch sizes the size threshold would speculate at. The accepted counts come
+    from SGLang's own GenerationBatchResult. Outputs stay exact; with a break-even below, it never pauses."""
+    caplog.set_level(logging.INFO, logger="graphpool")
+    cfg = H.HarnessConfig(max_reqs=8, kv_slots=2000, batch_sizes=(1, 2, 4))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, cfg.vocab, (PROMPT,), generator=g).tolist() for _ in range(2)]
+    ref, _ = greedy_reference(cfg, prompts, 60, {})
+    for min_accept, pauses in ((cfg.draft_tokens + 0.5, True), (1.5, False)):
+        world = S.SchedulerWorld(cfg, torch.device("cpu"))
+        switch = install_speculation_switch(4, 4, min_accept=min_accept)
+        switch.gate.pause_steps = 5
+        decisions: List[bool] = []
+        speculate = switch.speculate
+        switch.speculate = lambda bs: decisions.append(speculate(bs)) or decisions[-1]
+        reqs = [world.add_request(f"r{i}", prompts[i], 60) for i in range(2)]
+        try:
+            with S.cpu_stand_ins():
+                for _ in range(300):
+                    if world.step() is None and not world.waiting:
+                        break
+        finally:
+            uninstall_speculation_switch()
+            H.forget_graph_memory_pool()
+        for i, req in enumerate(reqs):
+            assert world.sent[req.rid].output_ids == ref[i][:60], (min_accept, i)
+        window = switch.gate.window
+        if pauses:  # measure (window verifies), pause (5 plain), probe (window verifies), ...
+            cycle = [True] * window + [False] * 5
+            assert len(decisions) > 2 * len(cycle) and decisions == (cycle * 100)[:len(decisions)], decisions
+            assert switch.gate.pauses >= 2 and switch.gate.last_mean == cfg.draft_tokens < min_accept
+            assert any("speculation paused for 5 decode steps" in r.getMessage() for r in caplog.records)
+        else:
+            # (requests near their last token commit fewer than draft_tokens)
+            assert all(decisions) and switch.gate.pauses == 0 and min_accept <= switch.gate.last_mean <= cfg.draft_tokens
+
+
 @pytest.fixture(autouse=True)
 def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()

@@ -7,6 +7,9 @@ Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
     worker (classic API, ``--disable-overlap-schedule``) or its spec-v2 worker (0.5.14+, any topk).
 ``--graphpool-spec-on-at-or-below M``
     speculate again once the batch is at or below M (default N; M < N gives hysteresis).
+``--graphpool-spec-min-accept A``
+    classic API: also decode plainly while verify steps commit fewer than A tokens per sequence (a draft
+    below break-even loses at every batch size); the switch probes again after 256 decode steps.
 ``--graphpool-keep-sglang-runner``
     for tests and benchmarks only: install the switch but keep SGLang's own ``CudaGraphRunner``, which
     has TARGET_VERIFY graphs only, so the first plain step fails ("The size of tensor a (...) must
@@ -33,6 +36,8 @@ SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
 HELP = """graphpool's options (all other arguments go to SGLang's launch_server, listed below):
   --graphpool-spec-off-above N       EAGLE v1: decode plainly once a decode batch has more than N sequences
   --graphpool-spec-on-at-or-below M  speculate again at <= M sequences (default N; M < N: hysteresis)
+  --graphpool-spec-min-accept A      EAGLE v1: also decode plainly while verify steps commit < A tokens per
+                                     sequence (the draft's break-even); probes again after 256 decode steps
 """
 
 
@@ -45,6 +50,8 @@ class GraphpoolOptions:
     keep_sglang_runner: bool = False
     #: SGLang's --speculative-adaptive is on: route its step 0 to plain steps (runner API only).
     adaptive_step0: bool = False
+    #: also decode plainly while verify steps commit fewer tokens per sequence than this (classic API)
+    spec_min_accept: Optional[float] = None
 
     def apply(self) -> None:
         """Install the runner patch (and the speculation switch, if asked for) in this process."""
@@ -56,6 +63,9 @@ class GraphpoolOptions:
             install()
         # --- runner API (SGLang 0.5.14+): the spec-v2 switch (issue 13) ---
         if versions.runner_api() == versions.RUNNER:
+            if self.spec_min_accept is not None:
+                raise SystemExit("--graphpool-spec-min-accept drives the classic API's EAGLE v1 switch; this SGLang "
+                                 "has the runner API (0.5.14+), whose switch decides by batch size only")
             if self.spec_off_above is not None or self.adaptive_step0:
                 from .spec_switch_v2 import install_speculation_switch as install_v2
 
@@ -65,7 +75,7 @@ class GraphpoolOptions:
         if self.spec_off_above is not None:
             from .spec_switch import install_speculation_switch
 
-            install_speculation_switch(self.spec_off_above, self.spec_on_at_or_below)
+            install_speculation_switch(self.spec_off_above, self.spec_on_at_or_below, min_accept=self.spec_min_accept)
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,9 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     parser.add_argument("--graphpool-spec-off-above", type=int, default=None)
     parser.add_argument("--graphpool-spec-on-at-or-below", type=int, default=None)
     parser.add_argument("--graphpool-keep-sglang-runner", action="store_true")
+    parser.add_argument("--graphpool-spec-min-accept", type=float, default=None)
     ours, rest = parser.parse_known_args(list(argv))
+    accept = ours.graphpool_spec_min_accept
     off, on = ours.graphpool_spec_off_above, ours.graphpool_spec_on_at_or_below
     if ours.graphpool_keep_sglang_runner and off is None:
         raise SystemExit("--graphpool-keep-sglang-runner only makes sense with the switch: add "
@@ -99,7 +111,10 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     if off is not None and (off < 0 or (on is not None and not 0 <= on <= off)):
         raise SystemExit(f"need 0 <= --graphpool-spec-on-at-or-below <= --graphpool-spec-off-above, got "
                          f"on={on}, off={off}")
-    return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner), rest
+    if accept is not None and (off is None or not accept > 1.0):
+        raise SystemExit(f"--graphpool-spec-min-accept needs --graphpool-spec-off-above and a value > 1 (tokens a "
+                         f"verify step commits per sequence, at least 1 always), got {accept}")
+    return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner, spec_min_accept=accept), rest
 
 
 def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from graphpool import SpeculationPolicy
+from graphpool import AcceptanceGate, SpeculationPolicy
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .draft_lag import DEFAULT_MAX_LAG_STEPS, DraftLag
@@ -45,21 +45,36 @@ class SpeculationSwitch:
     Args:
         off_above: plain decode once the batch size exceeds this.
         on_at_or_below: speculate again once the batch size is at or below this (default ``off_above``).
+        min_accept: also decode plainly while verify steps commit fewer tokens per sequence than this
+            (:class:`graphpool.AcceptanceGate`; ``None``: batch size alone decides).
+        pause_steps: the gate's pause; the default, the draft lag's window, lets the probe's catch-up cover
+            the whole pause (a longer one would leave older draft KV stale and bias the probe low).
     """
 
-    def __init__(self, off_above: int, on_at_or_below: Optional[int] = None):
+    def __init__(self, off_above: int, on_at_or_below: Optional[int] = None, min_accept: Optional[float] = None,
+                 pause_steps: int = DEFAULT_MAX_LAG_STEPS):
         self.policy = SpeculationPolicy(off_above, on_at_or_below, spec_mode="target_verify", plain_mode="decode")
+        self.gate = AcceptanceGate(min_accept, pause_steps=pause_steps) if min_accept is not None else None
         self.spec_steps = 0
         self.plain_steps = 0
 
     def speculate(self, batch_size: int) -> bool:
         """The decision for a decode step of ``batch_size`` sequences (counts it)."""
-        spec = self.policy.choose(batch_size) == "target_verify"
+        spec = self.policy.choose(batch_size) == "target_verify" and (self.gate is None or self.gate.allow())
         if spec:
             self.spec_steps += 1
         else:
             self.plain_steps += 1
         return spec
+
+    def verified(self, batch_size: int, correct_drafts: Optional[int]) -> None:
+        """A verify step of ``batch_size`` sequences accepted ``correct_drafts`` draft tokens in all."""
+        if self.gate is None or correct_drafts is None or batch_size < 1:
+            return
+        if self.gate.record(1.0 + correct_drafts / batch_size):
+            log.info("graphpool switch: speculation paused for %d decode steps: verify steps commit %.2f tokens "
+                     "per sequence, below the break-even %.2f", self.gate.pause_steps, self.gate.last_mean,
+                     self.gate.min_accept)
 
     @property
     def switches(self) -> int:
@@ -103,7 +118,8 @@ _originals: Dict[str, Any] = {}
 
 
 def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = None,
-                               max_lag_steps: int = DEFAULT_MAX_LAG_STEPS) -> SpeculationSwitch:
+                               max_lag_steps: int = DEFAULT_MAX_LAG_STEPS,
+                               min_accept: Optional[float] = None) -> SpeculationSwitch:
     """Make SGLang's EAGLE v1 worker decode plainly above ``off_above`` sequences (in this process).
 
     Prefill batches keep SGLang's path; small decode batches keep SGLang's speculative path after a
@@ -114,11 +130,12 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
 
     ``max_lag_steps``: the draft lag's window (:mod:`.draft_lag`): at most that many plain steps' hidden
     states kept per request, and caught up; a longer plain phase leaves the draft's older KV stale.
+    ``min_accept``: see :class:`SpeculationSwitch` (read from each verify step's ``num_correct_drafts``).
     """
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
-    switch = SpeculationSwitch(off_above, on_at_or_below)
+    switch = SpeculationSwitch(off_above, on_at_or_below, min_accept, pause_steps=max_lag_steps)
     lag = DraftLag(keep_hidden=None, max_steps=max_lag_steps)  # EAGLE keeps hidden states, STANDALONE not
     original = _originals.get("forward") or EAGLEWorker.forward_batch_generation
     process_decode = _originals.get("process_decode") or Scheduler.process_batch_result_decode
@@ -138,7 +155,10 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
             return eagle_v1_plain_decode(self, batch, lag)
         if len(lag):
             eagle_v1_catch_up(self, batch, lag)
-        return original(self, batch)
+        bs = batch.batch_size()
+        result = original(self, batch)
+        switch.verified(bs, _correct_drafts(result))
+        return result
 
     @functools.wraps(process_decode)
     def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
@@ -149,9 +169,19 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
     _originals.update(forward=original, process_decode=process_decode)
     EAGLEWorker.forward_batch_generation = forward_batch_generation
     Scheduler.process_batch_result_decode = process_batch_result_decode
-    log.info("graphpool: speculation off above %d sequences, back on at <= %d", switch.policy.off_above,
-             switch.policy.on_at_or_below)
+    log.info("graphpool: speculation off above %d sequences, back on at <= %d%s", switch.policy.off_above,
+             switch.policy.on_at_or_below, f", and while verify steps commit < {min_accept} tokens per sequence"
+             if min_accept is not None else "")
     return switch
+
+
+def _correct_drafts(result: Any) -> Optional[int]:
+    """Draft tokens the verify step accepted, summed over the batch (SGLang renamed the field once)."""
+    for name in ("num_correct_drafts", "num_accepted_tokens"):
+        value = getattr(result, name, None)
+        if value is not None:
+            return int(value)
+    return None
 
 
 def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: SpeculationSwitch) -> None:

@@ -75,11 +75,12 @@ def server_specs(a: argparse.Namespace, dtype: str, spec: str, port: int) -> Dic
               "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "3",
               "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"]
     switch = ["--graphpool-spec-off-above", str(a.off_above), "--graphpool-spec-on-at-or-below", str(a.on_at)]
-    if a.min_accept:  # speculation also pauses while the draft is below break-even (AcceptanceGate)
-        switch += ["--graphpool-spec-min-accept", str(a.min_accept)]
+    # graphpool's switch also pauses speculation while the draft is below break-even (AcceptanceGate); the
+    # crash reproduction over SGLang's runner switches by batch size only, as the origin story did
+    gate = ["--graphpool-spec-min-accept", str(a.min_accept)] if a.min_accept else []
     gp, sgl = "graphpool.integrations.sglang.launch", "sglang.launch_server"
     specs = [ServerSpec("stock", "SGLang, no speculation", sgl, base),
-             ServerSpec("gp-switch", "graphpool runner + switch", gp, base + sp + switch, speculative=True,
+             ServerSpec("gp-switch", "graphpool runner + switch", gp, base + sp + switch + gate, speculative=True,
                         switch=True),
              ServerSpec("sgl-switch", "switch over SGLang's runner", gp,
                         base + sp + switch + ["--graphpool-keep-sglang-runner"], speculative=True, switch=True,

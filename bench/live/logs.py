@@ -17,7 +17,10 @@ _GP_REPLAYS = re.compile(r"graphpool replays by mode: (.*?); eager fallbacks: (.
 _GP_FLIP = re.compile(r"graphpool switch: speculation (ON|OFF) at (\d+) running requests")
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(?:accept len: ([\d.]+),.*?)?(?:cuda|cpu) graph: "
                      r"(True|False)")
-_SHAPE_CRASH = re.compile(r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
+# SGLang's runner on a plain step: a shape error at a larger batch; at batch 1 its verify graph's rows
+# come back as tokens, which the plain step refuses with its own message.
+_SHAPE_CRASH = re.compile(r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)"
+                          r"|the target returned (\d+) tokens for (\d+) sequences")
 _FIRED_UP = "The server is fired up and ready to roll!"
 
 

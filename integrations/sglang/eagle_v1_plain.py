@@ -81,6 +81,12 @@ def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
     result = worker.target_worker.forward_batch_generation(worker_batch)
     next_token_ids = result.next_token_ids
     logits_output = result.logits_output
+    if next_token_ids.shape[0] != bs:  # SGLang's own runner replays its TARGET_VERIFY graph for this batch
+        raise RuntimeError(
+            f"plain decode step: the target returned {next_token_ids.shape[0]} tokens for {bs} sequences (one "
+            f"each expected). Its CUDA graph runner replayed a graph of another mode: SGLang's own CudaGraphRunner "
+            f"holds TARGET_VERIFY graphs only when speculation is on. Use graphpool's runner (drop "
+            f"--graphpool-keep-sglang-runner).")
 
     # Step 3: what spec v1's verify does per accepted token.
     unfinished = record_tokens(batch, next_token_ids.tolist())

@@ -188,8 +188,10 @@ def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: Speculation
     """One log line per switch, with the target runner's replays by mode when it is graphpool's."""
     runner = getattr(getattr(worker.target_worker, "model_runner", None), "graph_runner", None)
     replays = getattr(runner, "replay_log", None)
-    log.info("graphpool switch: speculation %s at %d running requests (off above %d, on at <= %d)%s",
-             "ON" if speculate else "OFF", batch_size, switch.policy.off_above, switch.policy.on_at_or_below,
+    gated = switch.policy.speculating and not speculate  # the size threshold says on, the gate's pause says no
+    log.info("graphpool switch: speculation %s at %d running requests (off above %d, on at <= %d)%s%s",
+             "ON" if switch.policy.speculating else "OFF", batch_size, switch.policy.off_above,
+             switch.policy.on_at_or_below, " but paused by the acceptance gate" if gated else "",
              f"; {replays.line()}" if replays is not None else "; target runner: SGLang's own")
 
 

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import DeviceFaultError
+
 Captured = Any  # torch.cuda.CUDAGraph for the CUDA backend, the step function itself for the twin
 
 
@@ -86,6 +88,17 @@ class CudaGraphBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def wait_for_device(backend: EagerBackend | CudaGraphBackend) -> None:
+    """``backend.synchronize()``, with a CUDA error (from any step enqueued before) as :class:`DeviceFaultError`."""
+    try:
+        backend.synchronize()
+    except RuntimeError as exc:
+        raise DeviceFaultError(
+            f"a step enqueued earlier failed on the device ({str(exc).splitlines()[0]}). The CUDA context is "
+            f"unusable now: restart the process. To find the step and the cause, rerun with GRAPHPOOL_DEBUG=1 "
+            f"(checks declared input bounds, waits after every replay) and CUDA_LAUNCH_BLOCKING=1") from exc
 
 
 def make_backend(name: str, device: torch.device, memory_pool: Any = None) -> EagerBackend | CudaGraphBackend:

@@ -40,13 +40,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .backends import CudaGraphBackend, make_backend
+from .backends import CudaGraphBackend, make_backend, wait_for_device
 from .buffers import StaticBuffers
 from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
 from .errors import CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
 from .modes import GraphKey, KeyTable, Mode, StepInput
 from .outputs import Outputs, clone_outputs, slice_outputs
-from .staging import RingStager, TorchStager
+from .staging import make_stager
 from .routing import Router
 from .stats import PoolStats
 from .validation import InputRules
@@ -93,18 +93,8 @@ class GraphPool:
         self.backend = make_backend(backend, self.device, memory_pool)
         self.debug = os.environ.get("GRAPHPOOL_DEBUG", "") not in ("", "0") if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
-        cuda = isinstance(self.backend, CudaGraphBackend)
-        if staging == "auto":
-            staging = "ring" if cuda else "torch"
-        if staging not in ("ring", "torch"):
-            raise ValueError(f"staging must be 'auto', 'ring' or 'torch', got {staging!r}")
-        self._stager = RingStager(self.buffers, self._keys, self.device, self.synchronize, ring_slots) \
-            if staging == "ring" else TorchStager(self.buffers)
-        checker = None
-        if fast_checks and cuda and staging == "ring":  # only where a step costs microseconds
-            from .native import make_input_checker
-            checker = make_input_checker(self._rules)
-        self._checker = checker
+        self._stager, self._checker = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers,
+                                                  self._keys, self._rules, self.synchronize, ring_slots, fast_checks)
         self._router = Router(self._keys, on_miss, self.stats)
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
@@ -323,13 +313,7 @@ class GraphPool:
 
     def synchronize(self) -> None:
         """Wait for every queued step; raises :class:`DeviceFaultError` if one faulted on the device."""
-        try:
-            self.backend.synchronize()
-        except RuntimeError as exc:
-            raise DeviceFaultError(
-                f"a step enqueued earlier failed on the device ({str(exc).splitlines()[0]}). The CUDA context is "
-                f"unusable now: restart the process. To find the step and the cause, rerun with GRAPHPOOL_DEBUG=1 "
-                f"(checks declared input bounds, waits after every replay) and CUDA_LAUNCH_BLOCKING=1") from exc
+        wait_for_device(self.backend)
 
     def _debug_after(self, key: GraphKey) -> None:
         try:

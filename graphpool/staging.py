@@ -160,3 +160,21 @@ class RingStager:
                 f"(per program: {sorted(set(device))}): every later step would stage another step's inputs. "
                 f"Cause: a graph of this pool was replayed, or its staging kernel launched, outside "
                 f"GraphPool.run/replay/graph(...).replay(). Rebuild the pool.")
+
+
+def make_stager(staging: str, cuda_graphs: bool, buffers: StaticBuffers, keys: KeyTable, rules: Any,
+                synchronize: Callable[[], None], ring_slots: int, fast_checks: bool) -> tuple[RingStager | TorchStager, Any]:
+    """The pool's stager for ``staging`` (``"auto"``: ring for CUDA graphs, torch for the eager twin) and
+    its C++ input checker: only for ring staging of CUDA graphs with ``fast_checks``, where a step costs
+    microseconds (``None`` otherwise, or where the extension does not build)."""
+    if staging == "auto":
+        staging = "ring" if cuda_graphs else "torch"
+    if staging not in ("ring", "torch"):
+        raise ValueError(f"staging must be 'auto', 'ring' or 'torch', got {staging!r}")
+    if staging == "torch":
+        return TorchStager(buffers), None
+    stager = RingStager(buffers, keys, rules.device, synchronize, ring_slots)
+    if not (fast_checks and cuda_graphs):
+        return stager, None
+    from .native import make_input_checker
+    return stager, make_input_checker(rules)

@@ -65,6 +65,27 @@ def test_log_parser_reads_sglang_lines_and_graphpools_own(caplog):
     assert facts.flips == [{"speculation": "OFF", "running": 9}]
 
 
+def test_a_flip_the_acceptance_gate_holds_back_is_logged_as_such(caplog):
+    switch = SpeculationSwitch(8, 4, min_accept=1.5, pause_steps=100)
+    worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(graph_runner=None)))
+    with caplog.at_level(logging.INFO):
+        for _ in range(switch.gate.window):  # a draft that never hits: the gate pauses speculation
+            assert switch.speculate(2)
+            switch.verified(2, 0)
+        for bs in (9, 2):  # off by size, then on by size while the gate still holds it off
+            flips = switch.switches
+            decision = switch.speculate(bs)
+            assert switch.switches == flips + 1 and not decision
+            _log_flip(worker, decision, bs, switch)
+    lines = [r.getMessage() for r in caplog.records if "switch:" in r.getMessage()]
+    assert "paused for 100 decode steps: verify steps commit 1.00 tokens per sequence" in lines[0]
+    assert "speculation OFF at 9 running requests" in lines[1] and "gate" not in lines[1]
+    assert "speculation ON at 2 running requests" in lines[2] and lines[2].endswith(
+        "but paused by the acceptance gate; target runner: SGLang's own")
+    assert logs.parse("\n".join(lines)).flips == [{"speculation": "OFF", "running": 9},
+                                                   {"speculation": "ON", "running": 2}]
+
+
 def test_answers_are_checked_against_what_was_asked():
     length = Request("a", (5, 6), 4)
     assert check(length, Answer("a", 200, 0.1, [1, 2, 3, 4], {"type": "length", "length": 4}, 4)) == ""

@@ -188,9 +188,10 @@ def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: Speculation
     """One log line per switch, with the target runner's replays by mode when it is graphpool's."""
     runner = getattr(getattr(worker.target_worker, "model_runner", None), "graph_runner", None)
     replays = getattr(runner, "replay_log", None)
-    gated = switch.policy.speculating and not speculate  # the size threshold says on, the gate's pause says no
+    # the size threshold turned speculation on while the acceptance gate's pause holds it off
+    gated = not speculate and switch.gate is not None and switch.policy.speculating
     log.info("graphpool switch: speculation %s at %d running requests (off above %d, on at <= %d)%s%s",
-             "ON" if switch.policy.speculating else "OFF", batch_size, switch.policy.off_above,
+             "ON" if speculate or gated else "OFF", batch_size, switch.policy.off_above,
              switch.policy.on_at_or_below, " but paused by the acceptance gate" if gated else "",
              f"; {replays.line()}" if replays is not None else "; target runner: SGLang's own")
 

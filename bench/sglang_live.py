@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.live import logs, workloads  # noqa: E402
-from bench.live.client import PhaseResult, Request, run_phase, wait_healthy  # noqa: E402
+from bench.live.client import run_phase, wait_healthy  # noqa: E402
 from bench.live.report import ConfigResult, table  # noqa: E402
 from bench.live.servers import Server, ServerSpec  # noqa: E402
 

@@ -123,7 +123,7 @@ def test_random_faults_never_corrupt_a_valid_step(setup):
             staged = pool.stage(mode.name, **inputs)
             del inputs
             gc.collect()
-            junk = [torch.full((1024,), -99, dtype=torch.int64, device=device) for _ in range(8)]
+            junk = [torch.full((1024,), -99, dtype=torch.int64, device=device) for _ in range(8)]  # noqa: F841 (reuses the freed blocks)
             got = {k: v.clone() for k, v in pool.replay(staged).items()}
             del junk
             check(mode, kept, got, what)

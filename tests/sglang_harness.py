@@ -496,3 +496,38 @@ def forget_graph_memory_pool() -> None:
         from sglang.srt.model_executor.runner_utils import pool as pool_owner
 
     pool_owner.set_global_graph_memory_pool(None)
+
+
+# ----------------------------------------------------------------------------------- switch tests
+#: The concurrency sweep of both switch tests (classic and runner API): past the threshold and back.
+SWITCH_SWEEP = [1, 2, 4, 8, 16, 32, 64, 48, 32, 16, 8, 4, 2, 1]
+
+
+def count_draft_forwards(world: Any) -> None:
+    """Count ``world.draft``'s model forwards in ``world.draft_forwards`` (a plain step must add none)."""
+    world.draft_forwards = 0
+    forward = world.draft.model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        world.draft_forwards += 1
+        return forward(*args, **kwargs)
+
+    world.draft.model.forward = counted
+
+
+def sweep_switch(world: Any, switch: Any, steps_per_phase: int = 3) -> None:
+    """Run ``world`` (``spec_step`` / ``plain_step`` over request rows) through :data:`SWITCH_SWEEP` as
+    ``switch`` (off above 16, on at <= 8) decides, and check the switch: crossed both ways with hysteresis,
+    every plain step on a DECODE graph, one draft catch-up when speculation resumed."""
+    decisions = []
+    for concurrency in SWITCH_SWEEP:
+        for _ in range(steps_per_phase):
+            rows = list(range(concurrency))
+            spec = switch.speculate(len(rows))
+            decisions.append((concurrency, spec))
+            (world.spec_step if spec else world.plain_step)(rows)
+    assert switch.switches == 2, decisions
+    assert all(spec for c, spec in decisions if c <= 8) and not any(spec for c, spec in decisions if c > 16)
+    assert [spec for c, spec in decisions if c == 16] == [True] * 3 + [False] * 3, "16 on the way up vs down"
+    assert switch.plain_steps > 0 and world.plain_graph_hits == switch.plain_steps, "every plain step: DECODE graph"
+    assert world.lag.catch_ups == 1, "one draft catch-up, when speculation resumed"

@@ -49,7 +49,7 @@ def test_log_parser_reads_sglang_lines_and_graphpools_own(caplog):
         worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(
             graph_runner=SimpleNamespace(replay_log=replays))))
         _log_flip(worker, False, 9, switch)
-        logging.getLogger("graphpool.integrations.sglang.runner").info(
+        logging.getLogger("graphpool.integrations.sglang.common").info(
             "graphpool captured %d graphs for %s at batch sizes %s", 24, ["DECODE", "TARGET_VERIFY"], [1, 2, 4])
     text = SGLANG_LINES + "\n".join(r.getMessage() for r in caplog.records)
     facts = logs.parse(text)

@@ -26,8 +26,6 @@ from graphpool.integrations.sglang import MultiModeCudaGraphRunner
 from graphpool.integrations.sglang.draft_lag import DraftLag
 from graphpool.integrations.sglang.spec_switch import SpeculationSwitch, plain_decode_batch
 
-SWEEP = [1, 2, 4, 8, 16, 32, 64, 48, 32, 16, 8, 4, 2, 1]
-STEPS_PER_PHASE = 3
 PROMPT = 6
 
 
@@ -47,14 +45,7 @@ class SpecWorld:
         H.prefill(self.draft, self.reqs, None)
         self.plain_graph_hits = 0
         self.lag = DraftLag(keep_hidden=False)  # the harness draft reads tokens only
-        self.draft_forwards = 0
-        forward = self.draft.model.forward
-
-        def counted(*args, **kwargs):
-            self.draft_forwards += 1
-            return forward(*args, **kwargs)
-
-        self.draft.model.forward = counted
+        H.count_draft_forwards(self)
 
     def catch_up(self, rows: List[int]) -> None:
         """One draft extend over every lagging request's plainly decoded positions (a draft prefill of
@@ -141,19 +132,7 @@ def _sweep(device: torch.device, dtype: torch.dtype) -> None:
     cfg = H.HarnessConfig(dtype=dtype)
     world = SpecWorld(cfg, device)
     switch = SpeculationSwitch(off_above=16, on_at_or_below=8)
-    decisions = []
-    for concurrency in SWEEP:
-        for _ in range(STEPS_PER_PHASE):
-            rows = list(range(concurrency))
-            spec = switch.speculate(len(rows))
-            decisions.append((concurrency, spec))
-            (world.spec_step if spec else world.plain_step)(rows)
-    # Crossed both ways, with hysteresis: off only above 16, back on only at <= 8.
-    assert switch.switches == 2, decisions
-    assert all(spec for c, spec in decisions if c <= 8) and not any(spec for c, spec in decisions if c > 16)
-    assert [spec for c, spec in decisions if c == 16] == [True] * 3 + [False] * 3, "16 on the way up vs down"
-    assert switch.plain_steps > 0 and world.plain_graph_hits == switch.plain_steps, "every plain step: DECODE graph"
-    assert world.lag.catch_ups == 1, "one draft catch-up, when speculation resumed"
+    H.sweep_switch(world, switch)
     # Greedy outputs identical to decoding without speculation.
     final = [len(t) for t in world.reqs.tokens]
     assert world.reqs.tokens == _greedy_reference(cfg, device, final)

@@ -26,8 +26,6 @@ from bench.engine.tree import Tree, greedy_accept
 from graphpool.integrations.sglang.runner_api import MultiModeDecodeRunner
 from graphpool.integrations.sglang.spec_switch_v2 import DraftLag, SpeculationSwitch, plain_decode_batch
 
-SWEEP = [1, 2, 4, 8, 16, 32, 64, 48, 32, 16, 8, 4, 2, 1]
-STEPS_PER_PHASE = 3
 PROMPT = 6
 DRAFT_STEPS = 3  # tree depth
 
@@ -49,14 +47,7 @@ class SpecV2World:
         H.prefill(self.draft, self.reqs, None)
         self.lag = DraftLag(keep_hidden=False)  # the harness draft reads tokens only
         self.plain_graph_hits = 0
-        self.draft_forwards = 0
-        forward = self.draft.model.forward
-
-        def counted(*args, **kwargs):
-            self.draft_forwards += 1
-            return forward(*args, **kwargs)
-
-        self.draft.model.forward = counted
+        H.count_draft_forwards(self)
 
     def _lens(self, rows: List[int]) -> torch.Tensor:
         return torch.tensor([self.reqs.kv_len(r) for r in rows], dtype=torch.int64, device=self.dev)
@@ -170,18 +161,7 @@ def _sweep(device: torch.device, topk: int) -> SpecV2World:
     cfg = H.HarnessConfig(dtype=torch.float64, draft_tokens=topk + DRAFT_STEPS, max_ctx=320)
     world = SpecV2World(cfg, device, topk)
     switch = SpeculationSwitch(off_above=16, on_at_or_below=8)
-    decisions = []
-    for concurrency in SWEEP:
-        for _ in range(STEPS_PER_PHASE):
-            rows = list(range(concurrency))
-            spec = switch.speculate(len(rows))
-            decisions.append((concurrency, spec))
-            (world.spec_step if spec else world.plain_step)(rows)
-    assert switch.switches == 2, decisions
-    assert all(spec for c, spec in decisions if c <= 8) and not any(spec for c, spec in decisions if c > 16)
-    assert [spec for c, spec in decisions if c == 16] == [True] * 3 + [False] * 3, "16 on the way up vs down"
-    assert switch.plain_steps > 0 and world.plain_graph_hits == switch.plain_steps, "every plain step: DECODE graph"
-    assert world.lag.catch_ups == 1, "one draft catch-up, when speculation resumed"
+    H.sweep_switch(world, switch)
     final = [len(t) for t in world.reqs.tokens]
     assert world.reqs.tokens == _greedy_reference(world, final), "greedy output equals decoding without speculation"
     # The draft KV: requests that were still lagging catch up, then equal a fresh draft prefill.

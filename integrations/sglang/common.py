@@ -9,8 +9,8 @@ generations have (``forward_batch_info``, ``eagle_info``).
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
+import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -24,6 +24,8 @@ MODE_NAMES: Dict[ForwardMode, str] = {ForwardMode.DECODE: "decode", ForwardMode.
 GraphId = Tuple[ForwardMode, int]  # (forward mode, padded batch size)
 
 _FORWARD_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
+
+log = logging.getLogger(__name__)
 
 
 def forward_mode_of(batch: StepBatch) -> ForwardMode:
@@ -95,6 +97,23 @@ def pool_graphs(pool: GraphPool) -> Dict[GraphId, Any]:
     """(forward mode, bs) -> the captured graph (a ``torch.cuda.CUDAGraph`` on the CUDA backend)."""
     return {(mode, bs): pool.graph(name, bs) for mode, name in MODE_NAMES.items()
             for bs in pool.batch_sizes.get(name, ())}
+
+
+def capture_graphs(runner: Any) -> None:
+    """Both runners' ``capture``: every (forward mode, batch size), largest token count first, into the
+    shared pool, inside the runner's ``_capture_context()``; ``runner._prepare_capture`` sees
+    ``runner._capturing`` set. Sets ``runner.graphs``."""
+    runner._capture_batches.clear()
+    runner.output_buffers.clear()
+    runner._capturing = True
+    try:
+        with runner._capture_context():
+            runner.pool.capture(runner._run_model, prepare=runner._prepare_capture, progress=False)
+    finally:
+        runner._capturing = False
+    runner.graphs = pool_graphs(runner.pool)
+    log.info("graphpool captured %d graphs for %s at batch sizes %s", len(runner.graphs),
+             [m.name for m in runner.tokens_per_mode], runner.capture_bs)
 
 
 def logits_buffer(model_runner: Any, max_num_token: int, device: Any) -> Optional[torch.Tensor]:

@@ -149,17 +149,7 @@ class MultiModeCudaGraphRunner:
     # ----------------------------------------------------------------------------------- capture
     def capture(self) -> None:
         """Capture every (forward mode, batch size), largest token count first, into the shared pool."""
-        self._capture_batches.clear()
-        self.output_buffers.clear()
-        self._capturing = True
-        try:
-            with self._capture_context():
-                self.pool.capture(self._run_model, prepare=self._prepare_capture, progress=False)
-        finally:
-            self._capturing = False
-        self.graphs = _pool_graphs(self.pool)
-        log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
-                 [m.name for m in self.tokens_per_mode], self.capture_bs)
+        common.capture_graphs(self)
 
     def _capture_context(self) -> Any:
         return common.capture_context(self.device, self.pool.memory_pool, sglang_runner.set_graph_pool_id,
@@ -309,4 +299,3 @@ class MultiModeCudaGraphRunner:
 
 
 _requested_hidden_mode = common.requested_hidden_mode
-_pool_graphs = common.pool_graphs

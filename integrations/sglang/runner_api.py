@@ -20,7 +20,6 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -38,7 +37,6 @@ from . import common
 from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_reasons, server_hidden_mode,
                                  spec_settings)
 
-log = logging.getLogger(__name__)
 
 # 0.5.14's forward_context(ctx) vs 0.5.2x's forward_context(ctx, forward_batch=...).
 _CONTEXT_TAKES_BATCH = "forward_batch" in inspect.signature(forward_context).parameters
@@ -136,17 +134,7 @@ class MultiModeDecodeRunner:
 
     def capture(self) -> None:
         """Capture every (forward mode, batch size), largest token count first, into the shared pool."""
-        self._capture_batches.clear()
-        self.output_buffers.clear()
-        self._capturing = True
-        try:
-            with self._capture_context():
-                self.pool.capture(self._run_model, prepare=self._prepare_capture, progress=False)
-        finally:
-            self._capturing = False
-        self.graphs = common.pool_graphs(self.pool)
-        log.info("graphpool captured %d graphs for %s at batch sizes %s", len(self.graphs),
-                 [m.name for m in self.tokens_per_mode], self.capture_bs)
+        common.capture_graphs(self)
 
     def _capture_context(self) -> Any:
         from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id

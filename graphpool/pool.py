@@ -93,8 +93,8 @@ class GraphPool:
         self.backend = make_backend(backend, self.device, memory_pool)
         self.debug = os.environ.get("GRAPHPOOL_DEBUG", "") not in ("", "0") if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
-        self._stager, self._checker = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers,
-                                                  self._keys, self._rules, self.synchronize, ring_slots, fast_checks)
+        self._stager = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers, self._keys,
+                                   self._rules, self.synchronize, ring_slots, fast_checks)
         self._router = Router(self._keys, on_miss, self.stats)
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
@@ -257,23 +257,19 @@ class GraphPool:
         stager = self._stager
         # The C++ checker validates and writes the ring row in one call; on any mismatch (or without it)
         # the Python checks run, and they raise the typed error that explains it.
-        row = stager.claim()
-        real_bs = self._checker.check(inputs, mode_obj.tokens_per_seq, row) if self._checker is not None else -1
+        real_bs, ordered = stager.checked_write(inputs, mode_obj.tokens_per_seq), None
         if real_bs < 0:
             real_bs, ordered = self._rules.check(mode_obj, inputs, shapes)
-        else:
-            ordered = None
         if self.debug:
             self._rules.check_bounds([inputs[n] for n in self._rules.names])
         step = steps[real_bs] if real_bs < len(steps) else None
         if step is None:
-            step = self._router.miss(mode_obj, real_bs, inputs)
-        else:
-            # Held until the ring row is reused: the ordered tensors, or (C++ path) the caller's kwargs dict.
-            stager.fill(step.entry.key, real_bs, ordered if ordered is not None else inputs,
-                        row_written=ordered is None)
-            if step.entry.stage_run is not None:
-                step.entry.stage_run()
+            return self._router.miss(mode_obj, real_bs, inputs)
+        entry = step.entry
+        if ordered is not None:  # held until the ring row is reused: these, or (C++ path) the caller's kwargs
+            stager.write(entry.key, real_bs, ordered)
+        if entry.stage_run is not None:
+            entry.stage_run()
         return step
 
     def _replay(self, step: Step) -> Outputs:

@@ -65,8 +65,7 @@ def padding_in_graph(step_fn: Callable, specs: Sequence[gp.StepInput], count: to
 class EagerTritonStage:
     """graphpool's staging kernel launched eagerly from Python into ``pool``'s static buffers.
 
-    The kernel reads row ``step % slots`` of a host table ``[real_bs, src_ptr...]`` (untagged words read as
-    themselves; the mirror never holds a step, so every launch reads the host); with one slot every
+    The kernel reads row ``step % slots`` of a host table ``[real_bs, src_ptr...]``; with one slot every
     launch reads row 0, which :meth:`stage` rewrites before each launch (the benchmark synchronises
     before each timed step, and within one key the row's content never changes).
     """
@@ -87,7 +86,7 @@ class EagerTritonStage:
                                                for s in specs))
         self.table = torch.zeros(1, 1 + len(specs), dtype=torch.int64, pin_memory=True)
         self._table = self.table.numpy()
-        self.mirror = torch.full((2 + len(specs),), -1, dtype=torch.int64, device=device)  # never holds a step
+        self.done = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self.counters = torch.zeros(self.grid[0] * self.grid[1], dtype=torch.int64, device=device)
 
     def stager(self, mode: gp.Mode, bs: int, inputs: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -97,5 +96,5 @@ class EagerTritonStage:
 
         def stage() -> None:
             self._table[0] = row
-            self._launch(self.table, self.mirror, self.counters, self.meta, bs, tps, self.word, self.grid)
+            self._launch(self.table, self.counters, self.meta, self.done, bs, tps, self.word, self.grid)
         return stage

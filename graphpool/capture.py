@@ -112,13 +112,9 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     in_graph = stager.in_graph and prepare is None
     where = f"mode {key.mode!r} bs {key.bs}"
 
-    def step_beside_prefetch() -> Outputs:  # the next step's ring-row prefetch runs beside the step
-        with stager.prefetching():
-            return step_fn(batch)
-
     def stage_and_step() -> Outputs:
         stager.launch(key)
-        return step_beside_prefetch()
+        return step_fn(batch)
 
     def stage_only() -> None:
         stager.launch(key)
@@ -130,7 +126,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
             backend.warmup(stage_only)
         if prepare is not None:
             prepare(batch, key.bs)
-        OutputLayout(backend.warmup(step_beside_prefetch), where)
+        OutputLayout(backend.warmup(lambda: step_fn(batch)), where)
     graph_bytes = 0
     if stager.in_graph and not in_graph:
         stager.self_copy(key)
@@ -139,7 +135,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     if prepare is not None:
         prepare(batch, key.bs)
     stager.self_copy(key)
-    graph, out, nbytes = backend.capture(stage_and_step if in_graph else step_beside_prefetch)
+    graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
     entry.layout = OutputLayout(out, where)
     entry.run = _enqueue(backend, graph, stager, stages=in_graph)
     entry.stats.capture_s = time.perf_counter() - started
@@ -152,12 +148,11 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
 
 
 def _enqueue(backend: CudaGraphBackend | EagerBackend, graph: Any, stager: Any, stages: bool) -> Callable[[], Any]:
-    """How to run a captured graph. A CUDA graph that stages is enqueued by the stager (it commits the
-    step's ring row and counts the step); the eager twin's staging kernel counts itself when it runs
-    (inside ``graph``)."""
+    """How to run a captured graph. A CUDA graph that stages is enqueued through the stager, which counts
+    the step; the eager twin's staging kernel counts itself when it runs (inside ``graph``)."""
     if isinstance(backend, CudaGraphBackend):
         replay = _bound_replay(graph)
-        return functools.partial(stager.enqueue, replay) if stages else replay
+        return functools.partial(stager.enqueue, replay) if stages else replay  # a partial: no Python frame of ours
     return graph
 
 

@@ -266,7 +266,7 @@ class GraphPool:
         if step is None:
             return self._router.miss(mode_obj, real_bs, inputs)
         entry = step.entry
-        if ordered is not None:  # held until the ring row is reused: these, or (C++ path) the caller's kwargs
+        if ordered is not None:  # the Python path writes the row here (the C++ checker wrote it already)
             stager.write(entry.key, real_bs, ordered)
         if entry.stage_run is not None:
             entry.stage_run()

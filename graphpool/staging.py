@@ -1,12 +1,11 @@
 """Getting a step's inputs into the static buffers: one object owns it, on every path.
 
-Two stagers with one interface (``checked_write``, ``write``, ``launch``, ``prefetching``, ``enqueue``,
-``self_copy``, ``in_flight``, ``check_sync``):
+Two stagers with one interface (``checked_write``, ``write``, ``launch``, ``enqueue``, ``self_copy``,
+``in_flight``, ``check_sync``):
 
 * :class:`RingStager` (CUDA graphs): the host writes one row ``[real_bs, src_ptr...]`` of a pinned ring
   table, and a kernel captured as the graph's first node gathers and pads every input on the GPU
-  (``graphpool.kernels.stage``); a prefetch node beside the step brings the next step's row into device
-  memory when the host is ahead. No extra launch from Python, no host copy, no allocation.
+  (``graphpool.kernels.stage``). No extra launch from Python, no host copy, no allocation.
 * :class:`TorchStager` (the eager twin, and the reference): a slice ``copy_`` per input plus a tail fill,
   from Python, when the step is staged.
 
@@ -14,14 +13,11 @@ What the ring stager owns, so that nothing else can get it wrong:
 
 * **The host's step count** (``issued``). It advances exactly when a staging kernel is *enqueued for
   execution*: when :meth:`RingStager.launch` runs outside a capture (the eager twin, warm-up), or when a
-  captured graph holding a staging node is replayed (:meth:`RingStager.enqueue`). The device keeps the
+  captured graph holding a staging node is enqueued (:meth:`RingStager.enqueue`). The device keeps the
   same count in its counters, so the row the kernel reads is always the row the host wrote last.
-* **Commits.** Each row write is a new generation (its words are tagged with it); the slot's commit word
-  names the step and generation when the step is enqueued, never before: the prefetch can only take a
-  row that is final (``graphpool.kernels.stage`` says why this needs no ordering of the GPU's reads).
 * **Run-ahead.** The host may get ``slots`` steps ahead of the GPU. Row ``i % slots`` is only rewritten
-  once the GPU has published (in ``done``, from the prefetch node) that step ``i - slots`` consumed it;
-  otherwise the host waits for the stream.
+  once the kernel has published (in ``done``) that it finished step ``i - slots``; otherwise the host
+  waits for the stream.
 * **Input lifetime.** A row holds raw pointers; the stager keeps a reference to the caller's tensors
   until the row is rewritten, which is after the GPU consumed it. A caller may drop its inputs right
   after ``run``/``stage``.
@@ -30,19 +26,17 @@ from __future__ import annotations
 
 import os
 import struct
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .buffers import StaticBuffers
 from .errors import RingDesyncError
 from .modes import GraphKey, KeyTable
-from graphpool.kernels.ring import MAX_GENERATION, TAG_MASK, TAG_SHIFT, VALUE_MASK
 
 
 class TorchStager:
-    """Stages with torch copies at :meth:`fill` time; graphs hold no staging node."""
+    """Stages with torch copies at :meth:`write` time; graphs hold no staging node."""
 
     in_graph = False
 
@@ -63,9 +57,6 @@ class TorchStager:
     def launch(self, key: GraphKey) -> None:
         pass
 
-    def prefetching(self) -> ContextManager[None]:
-        return nullcontext()
-
     def enqueue(self, replay: Callable[[], None]) -> None:
         replay()
 
@@ -81,12 +72,12 @@ class TorchStager:
 
 
 class RingStager:
-    """Host side of in-graph staging: the pinned ring table and commits, both step counts, the held inputs.
+    """Host side of in-graph staging: the pinned ring table, both step counts, and the held inputs.
 
     Args:
         buffers: the pool's static buffers.
         keys: the pool's key table.
-        device: the pool's device (the ring, commits and ``done`` are pinned on CUDA).
+        device: the pool's device (the ring and ``done`` are pinned on CUDA).
         synchronize: waits for the device (raises the pool's typed fault error on a CUDA error).
         slots: ring rows: how many steps the host may run ahead of the GPU.
         checker: the C++ input checker (``graphpool.native``), which checks a step and writes its row in
@@ -103,54 +94,45 @@ class RingStager:
             raise ValueError(f"ring staging on a {device.type} pool runs the Triton kernel on {device.type} tensors, which "
                              f"needs Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported); use "
                              f"staging='torch' (the default there)")
-        if not 2 <= slots <= 4096:
-            raise ValueError(f"ring_slots must be in 2..4096 (the GPU publishes progress after a step's staging; "
-                             f"commits tag steps in 16 bits), got {slots}")
+        if slots < 2:
+            raise ValueError(f"ring_slots must be >= 2 (the GPU publishes progress one step late), got {slots}")
         self._buffers, self._keys, self.slots, self._synchronize = buffers, keys, slots, synchronize
         width = 1 + len(buffers.specs)
         self._cuda = device.type == "cuda"
         self.ring = torch.zeros(slots, width, dtype=torch.int64, pin_memory=self._cuda)
-        self.commits = torch.zeros(slots, dtype=torch.int64, pin_memory=self._cuda)
         self.done = torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda)
-        self.mirror = torch.full((1 + width,), -1, dtype=torch.int64, device=device)
         self.meta, self.word, max_words = buffers.kernel_meta()
         self.grid = stage_grid(len(buffers.specs), max_words)
         self.counters = torch.zeros(self.grid[0] * self.grid[1], dtype=torch.int64, device=device)
-        self._side = torch.cuda.Stream(device) if self._cuda else None  # the prefetch's branch in a graph
         self._row = struct.Struct(f"<{width}q")
         self._row_size = self._row.size
         self._check = checker.check if checker is not None else None
         self._ring_bytes = memoryview(self.ring.numpy()).cast("B")
         self._ring_address = self.ring.data_ptr()
-        self._commits = memoryview(self.commits.numpy()).cast("B").cast("q")
         self._done = memoryview(self.done.numpy()).cast("B").cast("q")  # fast scalar reads of GPU progress
         self._held: list[Any] = [None] * slots
         self._issued = 0  # staging kernels enqueued for execution (captures excluded)
-        self._generation = 0  # host writes of ring rows, 1..MAX_GENERATION cyclic (graphpool.kernels.ring)
 
     def _claim(self) -> int:
-        """The slot of the row the next executed staging kernel reads, for one new write (a new generation:
-        see graphpool.kernels.ring). Waits for the GPU first in the rare case that the row still belongs to
-        a step it has not consumed."""
+        """The slot of the row the next executed staging kernel reads. Waits for the GPU first in the rare
+        case that the row still belongs to a step it has not consumed."""
         issued = self._issued
         if issued - self._done[0] >= self.slots:
             self._synchronize()
-        self._generation = self._generation % MAX_GENERATION + 1
         return issued % self.slots
 
     def checked_write(self, inputs: Any, tokens_per_seq: int) -> int:
         """The hot path: the C++ checker checks ``inputs`` (the caller's kwargs) and writes the row in one
-        call. Returns the real batch size (``inputs`` is held until the row is reused), or -1 without the
-        checker or when a check fails (then nothing was written: the pool's Python checks say why)."""
+        call. Returns the real batch size (``inputs`` is then held until the row is reused), or -1 without
+        the checker or when a check fails (nothing written: the pool's Python checks say why)."""
         check = self._check
         if check is None:
             return -1
-        issued = self._issued  # _claim, inlined: one Python call less per step
+        issued = self._issued  # _claim, inlined: a Python call less per step
         if issued - self._done[0] >= self.slots:
             self._synchronize()
-        generation = self._generation = self._generation % MAX_GENERATION + 1
         slot = issued % self.slots
-        real_bs = check(inputs, tokens_per_seq, self._ring_address + slot * self._row_size, generation << TAG_SHIFT)
+        real_bs = check(inputs, tokens_per_seq, self._ring_address + slot * self._row_size)
         if real_bs > 0:
             self._held[slot] = inputs
         return real_bs
@@ -158,16 +140,12 @@ class RingStager:
     def write(self, key: GraphKey, real_bs: int, inputs: Sequence[torch.Tensor]) -> None:
         """Write the row of checked ``inputs`` (in declaration order) and hold them until the row is reused."""
         slot = self._claim()
-        pointers = [t.data_ptr() for t in inputs]
-        if (max(pointers) | real_bs) > VALUE_MASK:
-            raise ValueError(f"an input's address {max(pointers):#x} does not fit the ring's 48-bit values")
-        tag = self._generation << TAG_SHIFT
-        self._row.pack_into(self._ring_bytes, slot * self._row_size, real_bs | tag, *(p | tag for p in pointers))
+        self._row.pack_into(self._ring_bytes, slot * self._row_size, real_bs, *(t.data_ptr() for t in inputs))
         self._held[slot] = inputs
 
     def self_copy(self, key: GraphKey) -> None:
-        """Claim and fill a row that stages every static view of ``key`` onto itself: a replay then runs on
-        the buffers' current contents (warm-up, direct graph replays)."""
+        """Write a row that stages every static view of ``key`` onto itself: a replay then runs on the
+        buffers' current contents (warm-up, direct graph replays)."""
         self.write(key, key.bs, list(self._buffers.views[key].values()))
 
     def launch(self, key: GraphKey) -> None:
@@ -175,50 +153,19 @@ class RingStager:
         replay, see :meth:`enqueue`); outside one it runs now, and the count advances now."""
         from graphpool.kernels.stage import stage_launch
 
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._commit()
-        stage_launch(self.ring, self.mirror, self.counters, self.meta, key.bs,
+        stage_launch(self.ring, self.counters, self.meta, self.done, key.bs,
                      self._keys.modes[key.mode].tokens_per_seq, self.word, self.grid)
-        if not capturing:
+        if not (self._cuda and torch.cuda.is_current_stream_capturing()):
             self._issued += 1
 
-    @contextmanager
-    def prefetching(self) -> Iterator[None]:
-        """Around a step's own work, after its staging kernel: the prefetch of the next step's ring row (see
-        graphpool.kernels.stage). Inside a capture it is a branch of the graph beside the step, joined at
-        the end; outside one it runs first, on the current stream."""
-        from graphpool.kernels.stage import prefetch_launch
-
-        def prefetch() -> None:
-            prefetch_launch(self.ring, self.commits, self.mirror, self.counters, self.done)
-
-        if not (self._cuda and torch.cuda.is_current_stream_capturing()):
-            prefetch()
-            yield
-            return
-        main = torch.cuda.current_stream(self.mirror.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            prefetch()
-        yield
-        main.wait_stream(self._side)
-
-    def _commit(self) -> None:
-        """The claimed row is final (its step is being enqueued): publish its generation in the slot's commit."""
-        issued = self._issued
-        self._commits[issued % self.slots] = ((issued & TAG_MASK) << 16) | self._generation  # ring.commit_word
-
     def enqueue(self, replay: Callable[[], None]) -> None:
-        """Enqueue a captured graph that holds a staging node: commit the row, replay, count the step."""
-        issued = self._issued
-        self._commits[issued % self.slots] = ((issued & TAG_MASK) << 16) | self._generation  # as _commit, inlined
+        """Enqueue a captured graph that holds a staging node, and count the step."""
         replay()
-        self._issued = issued + 1
+        self._issued += 1
 
     @property
     def in_flight(self) -> int:
-        """Staging steps enqueued that the GPU has not reported consumed."""
+        """Staging steps enqueued that the GPU has not reported finished (it reports one step late)."""
         return max(0, self._issued - self._done[0])
 
     def check_sync(self) -> None:
@@ -237,7 +184,7 @@ def make_stager(staging: str, cuda_graphs: bool, buffers: StaticBuffers, keys: K
                 synchronize: Callable[[], None], ring_slots: int, fast_checks: bool) -> RingStager | TorchStager:
     """The pool's stager for ``staging`` (``"auto"``: ring for CUDA graphs, torch for the eager twin), with
     the C++ input checker only for ring staging of CUDA graphs with ``fast_checks``, where a step costs
-    microseconds (not where the extension does not build)."""
+    microseconds (and only where the extension builds)."""
     if staging == "auto":
         staging = "ring" if cuda_graphs else "torch"
     if staging not in ("ring", "torch"):

@@ -1,9 +1,8 @@
 // The hot path of GraphPool.run in C++: check a step's inputs against their declarations and write the
-// step's ring-table row ([real_bs, data_ptr...], each word tagged with the write's generation: see
-// kernels/ring.py) in one call. The row is written only once every input fits, all at once. In Python the same work costs ~0.5 us per
-// input (five attribute calls each); here it is a few nanoseconds. It never raises: it returns the real
-// batch size, or -(i + 1) for the first input i that does not fit, and Python's validation then raises
-// the typed error that says why (so the rules and messages live in one place, pool.py).
+// step's ring-table row ([real_bs, data_ptr...]) in one call, once every input fits. In Python the same
+// work costs ~0.5 us per input (five attribute calls each); here it is a few nanoseconds. It never raises:
+// it returns the real batch size, or -(i + 1) for the first input i that does not fit, and Python's
+// validation then raises the typed error that says why (so the rules and messages live in one place).
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -18,7 +17,7 @@ struct InputChecker {
   std::vector<bool> per_token;
   int64_t device_index;                     // -1: CPU
   int64_t bs_index;                         // the input the real batch size is read from
-  mutable std::vector<uint64_t> pointers;   // scratch: the row is written only once every input fits
+  mutable std::vector<int64_t> pointers;    // scratch: the row is written only once every input fits
 
   InputChecker(std::vector<std::string> names_, std::vector<at::ScalarType> dtypes_,
                std::vector<std::vector<int64_t>> trailing_, std::vector<bool> per_token_,
@@ -28,11 +27,10 @@ struct InputChecker {
     for (auto& n : names_) names.push_back(py::reinterpret_steal<py::object>(PyUnicode_InternFromString(n.c_str())));
   }
 
-  // Returns the real batch size (and, when row_address != 0, writes row[0] = real_bs | tag and
-  // row[1 + i] = data_ptr of input i | tag), or -(i + 1) for the first input i that is missing or does
-  // not fit (nothing written then). An address above 48 bits counts as not fitting: Python's path says why.
-  int64_t check(py::dict inputs, int64_t tokens_per_seq, int64_t row_address, int64_t tag) const {
-    constexpr uint64_t kValueMask = (uint64_t{1} << 48) - 1;
+  // Returns the real batch size (and, when row_address != 0, writes row[0] = real_bs and row[1 + i] =
+  // data_ptr of input i), or -(i + 1) for the first input i that is missing or does not fit (nothing
+  // written then).
+  int64_t check(py::dict inputs, int64_t tokens_per_seq, int64_t row_address) const {
     const int64_t n = static_cast<int64_t>(names.size());
     if (static_cast<int64_t>(PyDict_Size(inputs.ptr())) != n) return -(n + 1);
     int64_t real_bs = -1;
@@ -53,13 +51,12 @@ struct InputChecker {
         if (sizes[d + 1] != trailing[i][d]) return -(i + 1);
       if (t.scalar_type() != dtypes[i] || !t.is_contiguous()) return -(i + 1);
       if (device_index < 0 ? !t.is_cpu() : (!t.is_cuda() || t.get_device() != device_index)) return -(i + 1);
-      pointers[i] = reinterpret_cast<uint64_t>(t.data_ptr());
-      if (pointers[i] & ~kValueMask) return -(i + 1);
+      pointers[i] = reinterpret_cast<int64_t>(t.data_ptr());
     }
     if (row_address != 0) {
       int64_t* row = reinterpret_cast<int64_t*>(row_address);
-      row[0] = real_bs | tag;
-      for (int64_t i = 0; i < n; ++i) row[1 + i] = static_cast<int64_t>(pointers[i]) | tag;
+      row[0] = real_bs;
+      for (int64_t i = 0; i < n; ++i) row[1 + i] = pointers[i];
     }
     return real_bs;
   }

@@ -95,12 +95,14 @@ Method = tuple[Callable[[], object], Callable[[object], object]]  # (stage, repl
 def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> dict[str, dict[str, float]]:
     """Median host us of stage and replay (GPU idle at the start of each step) and median GPU us of the
     step, per method. Methods take turns in blocks of ten steps, so drift in the machine's speed
-    (clocks, neighbours) reaches all of them alike and their medians compare."""
+    (clocks, neighbours) reaches all of them alike and their medians compare; ``host_rounds_us`` keeps each
+    round's median host us, for comparisons paired by round."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         for stage, replay in methods.values():
             replay(stage())
     samples = {name: ([], [], []) for name in methods}
+    rounds: dict[str, list[float]] = {name: [] for name in methods}  # per round: median host us of its block
     b2b_us: dict[str, list[float]] = {}
     b2b_host: dict[str, list[float]] = {}
     start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
@@ -117,6 +119,7 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
                 t2 = time.perf_counter()
                 stage_us.append((t1 - t0) * 1e6)
                 replay_us.append((t2 - t1) * 1e6)
+            rounds[name].append(statistics.median(a + b for a, b in zip(stage_us[-block:], replay_us[-block:])))
             for _ in range(block if cuda else 0):  # the same steps again, timed on the GPU
                 sync()
                 start.record()
@@ -141,7 +144,8 @@ def timed(methods: dict[str, Method], iters: int, warmup: int, cuda: bool) -> di
     return {name: {"stage_us": med(st), "replay_us": med(rp), "host_us": med(st) + med(rp),
                    "gpu_us": med(gp) if gp else float("nan"),
                    "gpu_b2b_us": med(b2b_us[name]) if name in b2b_us else float("nan"),
-                   "host_b2b_us": med(b2b_host[name]) if name in b2b_host else float("nan")}
+                   "host_b2b_us": med(b2b_host[name]) if name in b2b_host else float("nan"),
+                   "host_rounds_us": rounds[name]}
             for name, (st, rp, gp) in samples.items()}
 
 

@@ -98,6 +98,11 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
     rows = [{"mode": "decode", "bs": 1, "method": m, "stage_us": 2.0, "replay_us": 5.0 + i, "host_us": 7.0 + i,
              "gpu_us": 100.0 + i, "gpu_b2b_us": 90.0 + 2 * i, "host_b2b_us": 4.0 + i, "token_match": 1.0}
             for i, m in enumerate(GRAPH_METHODS + ["eager"])]
+    # Per-round medians, chosen so that the ratio paired by round (median of 0.06, 0.067, 0.1 = 0.067)
+    # differs from the ratio of the overall medians ((7 - 3) / (53 - 3) = 0.08).
+    rounds = {"floor": [3.0, 10.0, 3.0], "graphpool-run": [6.0, 14.0, 7.0], "sglang": [53.0, 70.0, 43.0]}
+    for r in rows:
+        r["host_rounds_us"] = rounds.get(r["method"], [r["host_us"]] * 3)
     text = summary(rows, modes, [1], cuda=True, misses=0)
     flat = " ".join(text.split())
     gpu_line = text.splitlines()[text.splitlines().index("GPU us per step (median, CUDA events around staging + replay)") + 2]
@@ -114,6 +119,9 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
     want = [4.0 + floor_i, 4.0 + run_i, 4.0 + sglang_i]
     assert b2b_host.split() == ["decode", "1", *(f"{v:.1f}" for v in want), f"{want[1] - want[0]:.1f}",
                                 f"{want[2] - want[0]:.1f}", f"{(want[1] - want[0]) / (want[2] - want[0]):.3f}"]
+    idle_host = lines[lines.index("host us per step (median, GPU idle at the start of each step)") + 2]
+    assert idle_host.split()[-3:] == ["4.0", "50.0", f"{(4 / 60):.3f}"]  # gp ovh, sgl ovh, ratio: paired by round
+    assert "acceptance (staging's GPU cost, b2b added <= 2 us at every key): PASS (max 2.0 us)" in text  # 2 * (1 - 0)
     for column in ("floor:", "run:", "st+rp:", "gpool:", "gp+prep:", "triton:", "sglang:", "foreach:", "g-pad:", "eager:",
                    "gp stage:", "gp ovh, sgl ovh:", "ratio:", "gpool-floor:", "match:", "b2b floor, b2b gpool:",
                    "b2b added:"):

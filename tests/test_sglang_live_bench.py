@@ -141,3 +141,43 @@ def test_dry_run_settles_dtype_and_speculation_on_the_first_server(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "dtype bfloat16, speculation eagle3" in summary
     assert [line.split()[:2] for line in summary.splitlines()[3:5]] == [["stock-spec", "served"], ["stock", "served"]]
+
+
+def test_probe_times_each_replay_and_the_report_compares_the_runners(capsys):
+    """The probe's replay timer passes calls through unchanged, logs the median host time per window in a
+    line the log parser reads, and the report puts every server's runner cost side by side."""
+    import importlib.util
+    from bench.live.logs import LogFacts
+    from bench.live.report import ConfigResult, verdicts
+
+    spec = importlib.util.spec_from_file_location("graph_probe", os.path.join(ROOT, "bench", "live", "probe",
+                                                                              "sitecustomize.py"))
+    probe = importlib.util.module_from_spec(spec)
+    before = list(sys.meta_path)
+    spec.loader.exec_module(probe)
+    sys.meta_path[:] = before  # only its timer is under test here, not the import hook
+
+    class Runner:
+        calls = 0
+
+        def replay(self, batch, skip_attn_backend_init=False):
+            Runner.calls += 1
+            return batch * 2
+
+    runner = Runner()
+    probe.time_replays(runner, "target", every=3)
+    assert [runner.replay(i, skip_attn_backend_init=True) for i in range(7)] == [i * 2 for i in range(7)]
+    assert Runner.calls == 7
+    lines = [line for line in capsys.readouterr().err.splitlines() if "replay host us" in line]
+    assert len(lines) == 2 and all(line.startswith("graph-probe: target Runner replay host us: median ") and
+                                   line.endswith(" over 3 calls") for line in lines)
+    facts = logs.parse("\n".join(lines + ["graph-probe: draft Runner replay host us: median 999.0 p90 999.0 over 3 calls"]))
+    assert len(facts.replay_host_us) == 2 and all(0 <= v < 999 for v in facts.replay_host_us)  # the draft's not kept
+
+    results = {}
+    for name, windows in (("stock", [80.0, 90.0, 85.0]), ("gp-nospec", [40.0, 42.0])):
+        results[name] = ConfigResult(name, name)
+        results[name].log = LogFacts(replay_host_us=windows)
+    line = [v for v in verdicts(results) if "host us per replay" in v]
+    assert line == ["[INFO] target graph runner host us per replay (median of the probe's windows): "
+                    "stock 85.0 (3 windows), gp-nospec 41.0 (2 windows)"]

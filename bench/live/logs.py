@@ -12,6 +12,8 @@ _CAPTURE = re.compile(r"Capture (cuda graph|draft cuda graph|draft extend cuda g
                       r"([\d.]+) s\. mem usage=([\d.]+) GB")
 _PROBE = re.compile(r"graph-probe: (target|draft) (\w+) captured in ([\d.]+) s: torch reserved \+(-?[\d.]+) MiB, "
                     r"device \+(-?[\d.]+) MiB")
+_REPLAY_HOST = re.compile(r"graph-probe: (target|draft) (\w+) replay host us: median ([\d.]+) p90 ([\d.]+) "
+                          r"over (\d+) calls")
 _GP_CAPTURED = re.compile(r"graphpool captured (\d+) graphs for \[([^\]]*)\] at batch sizes \[([^\]]*)\]")
 _GP_REPLAYS = re.compile(r"graphpool replays by mode: (.*?); eager fallbacks: (.*)$")
 _GP_FLIP = re.compile(r"graphpool switch: speculation (ON|OFF) at (\d+) running requests")
@@ -31,6 +33,7 @@ class LogFacts:
     fired_up: bool = False
     capture: Dict[str, List[Dict[str, float]]] = field(default_factory=dict)  # kind -> [{seconds, gb}]
     probe: List[Dict[str, Any]] = field(default_factory=list)
+    replay_host_us: List[float] = field(default_factory=list)  # the probe's median per window, target runner
     gp_graphs: Optional[int] = None
     gp_modes: List[str] = field(default_factory=list)
     gp_batch_sizes: List[int] = field(default_factory=list)
@@ -67,6 +70,9 @@ def parse(text: str) -> LogFacts:
         elif m := _PROBE.search(line):
             facts.probe.append({"role": m[1], "runner": m[2], "seconds": float(m[3]),
                                 "reserved_mib": float(m[4]), "device_mib": float(m[5])})
+        elif m := _REPLAY_HOST.search(line):
+            if m[1] == "target":
+                facts.replay_host_us.append(float(m[3]))
         elif m := _GP_CAPTURED.search(line):
             facts.gp_graphs = int(m[1])
             facts.gp_modes = [s.strip(" '\"") for s in m[2].split(",") if s.strip()]

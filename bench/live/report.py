@@ -134,6 +134,10 @@ def verdicts(results: Dict[str, ConfigResult]) -> List[str]:
         # model's one-token extend that keeps its KV in step, and the bookkeeping).
         out.append(f"[INFO] plain-step cost at C=32: gp-switch {d['itl_ms']:.2f} ms/token vs gp-nospec "
                    f"{n['itl_ms']:.2f} ({d['itl_ms'] / n['itl_ms']:.2f}x)")
+    host = {name: r.log.replay_host_us for name, r in results.items() if r.log and r.log.replay_host_us}
+    if host:  # the runners' own host cost per replay, whatever the scheduler around them did in this run
+        out.append("[INFO] target graph runner host us per replay (median of the probe's windows): " + ", ".join(
+            f"{name} {statistics.median(v):.1f} ({len(v)} windows)" for name, v in host.items()))
     ps, pg = (spec.log.target_probe if spec and spec.log else None), (sw.log.target_probe if sw and sw.log else None)
     if ps and pg and ps["reserved_mib"] > 0:
         ratio = pg["reserved_mib"] / ps["reserved_mib"]

@@ -13,7 +13,8 @@ parameter, so draft and target are the same model: every draft the target agrees
 EAGLE3 with the tiny EAGLE3 draft (``--spec eagle3``: a random draft, acceptance about 1). Every server gets
 the same flags (``--disable-overlap-schedule`` too: SGLang's EAGLE v1 worker, the one the switch drives,
 needs it). Workloads: see ``bench/live/workloads.py``. A deadline (``--deadline-s``) skips what no longer
-fits and still prints the table. Needs a GPU and SGLang importable: run ``bench/sglang_live.sh``, which
+fits and still prints the table. ``--cpus 0-7`` runs every server (and the processes it starts) on the
+same cores, so servers compared one after another are not placed differently by the OS. Needs a GPU and SGLang importable: run ``bench/sglang_live.sh``, which
 lays them out (see integrations/sglang/README.md). Writes server logs, ``sglang_live.json`` and
 ``summary.txt`` to ``--out`` (at most 8 files).
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.live import logs, workloads  # noqa: E402
 from bench.live.client import run_phase, wait_healthy  # noqa: E402
 from bench.live.report import ConfigResult, table  # noqa: E402
-from bench.live.servers import Server, ServerSpec  # noqa: E402
+from bench.live.servers import Server, ServerSpec, parse_cpus  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ("stock-spec", "stock", "gp-switch", "sgl-switch", "gp-nospec")
@@ -132,7 +133,8 @@ class Bench:
             return res
         log_path = os.path.join(self.a.out, f"{spec.name}.log")
         self.say(f"{spec.name}: starting ({spec.title})")
-        server = Server(spec, self.a.python, os.path.abspath(log_path), self.env, cwd=self.a.server_cwd)
+        server = Server(spec, self.a.python, os.path.abspath(log_path), self.env, cwd=self.a.server_cwd,
+                        cpus=self.a.cpus)
         url = "http://127.0.0.1:" + spec.args[spec.args.index("--port") + 1]
         try:
             res.start_s = wait_healthy(url, server.alive, min(start_budget * 1.6, self.left() - 10))
@@ -239,6 +241,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--replay-log-every", type=int, default=200)
+    p.add_argument("--cpus", default=None, type=parse_cpus,
+                   help="run every server (and its subprocesses) on these CPUs only, e.g. 0-7: servers compared "
+                        "one after another then get the same cores (default: wherever the OS puts them)")
     p.add_argument("--quick", action="store_true", help="short workloads (dry runs)")
     p.add_argument("--server-module", default="", help="dry runs: a stand-in server module for every config")
     p.add_argument("--server-cwd", default="", help="folder the servers run in (the laid-out graphpool copy)")

@@ -181,3 +181,26 @@ def test_probe_times_each_replay_and_the_report_compares_the_runners(capsys):
     line = [v for v in verdicts(results) if "host us per replay" in v]
     assert line == ["[INFO] target graph runner host us per replay (median of the probe's windows): "
                     "stock 85.0 (3 windows), gp-nospec 41.0 (2 windows)"]
+
+
+def test_servers_run_on_the_cpus_asked_for(tmp_path):
+    """``--cpus`` pins a server and every process it starts; a list outside this process's CPUs is refused."""
+    from bench.live.servers import Server, ServerSpec, parse_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cpu = allowed[-1]
+    assert parse_cpus(f"{cpu}") == {cpu} and parse_cpus(f"{cpu}-{cpu},{cpu}") == {cpu}
+    for bad in ("x", "3-", "", f"{allowed[-1] + 1000}"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+    (tmp_path / "affinity_probe.py").write_text(
+        "import os, subprocess, sys\n"
+        "print('self', sorted(os.sched_getaffinity(0)), flush=True)\n"
+        "child = [sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))']\n"
+        "print('child', subprocess.run(child, capture_output=True, text=True).stdout.strip(), flush=True)\n")
+    spec = ServerSpec("probe", "probe", "affinity_probe", [])
+    server = Server(spec, sys.executable, str(tmp_path / "probe.log"), dict(os.environ), cwd=str(tmp_path), cpus={cpu})
+    server.proc.wait(timeout=60)
+    log = server.log_text()
+    server.stop()
+    assert f"self [{cpu}]" in log and f"child [{cpu}]" in log, log

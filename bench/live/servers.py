@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 
 @dataclass
@@ -24,15 +24,19 @@ class ServerSpec:
 
 
 class Server:
-    """A running server: ``python -m module args`` in a new session, stdout and stderr to ``log_path``."""
+    """A running server: ``python -m module args`` in a new session, stdout and stderr to ``log_path``;
+    with ``cpus``, it and every process it starts (SGLang's scheduler, detokenizer) run on those CPUs only,
+    so that servers compared one after another get the same cores."""
 
-    def __init__(self, spec: ServerSpec, python: str, log_path: str, env: Dict[str, str], cwd: Optional[str] = None):
+    def __init__(self, spec: ServerSpec, python: str, log_path: str, env: Dict[str, str], cwd: Optional[str] = None,
+                 cpus: Optional[Set[int]] = None):
         self.spec, self.log_path = spec, log_path
         self.started = time.perf_counter()
         self._log = open(log_path, "w")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen([python, "-m", spec.module, *spec.args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env={**env, **spec.env}, cwd=cwd or None,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=pin)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -71,3 +75,18 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def parse_cpus(text: str) -> Set[int]:
+    """``"0-7,12"`` -> {0, ..., 7, 12}; every CPU must be one this process may run on."""
+    cpus: Set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"--cpus takes a list like 0-7,12; got {text!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"--cpus {text!r}: CPUs {sorted(cpus - allowed) or 'none'} are not among this process's "
+                         f"{len(allowed)} ({min(allowed)}-{max(allowed)})")
+    return cpus

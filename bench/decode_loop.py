@@ -70,6 +70,7 @@ from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
 from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
+from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
@@ -136,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: flashinfer on CUDA in bf16/fp16 where installed, else torch")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="fused Triton norms/rotary/SwiGLU (auto: on CUDA) or plain torch")
+    p.add_argument("--draft-select", default="torch", choices=DRAFT_SELECT,
+                   help="how each draft level picks its candidates: torch ops (~8 launches) or one fused Triton "
+                        "kernel (bench/engine/draft_select.py; not yet measured on a GPU, hence not the default)")
     p.add_argument("--run-ahead", type=int, default=1,
                    help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
     p.add_argument("--identity-check", action="store_true",
@@ -257,7 +261,7 @@ def run(tp, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     cfg = PRESETS[args.size].model()
     spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
-                      draft_noise=args.draft_noise)
+                      draft_noise=args.draft_noise, draft_select=args.draft_select)
     gpu = args.device.startswith("cuda")
     if not gpu:
         print("decode_loop: CPU smoke run of the code path: graphpool's eager twin calls the step functions "
@@ -271,13 +275,16 @@ def run(tp, args: argparse.Namespace) -> int:
           f"{spec.num_draft_tokens} tokens verified per sequence; draft noise {spec.draft_noise}; "
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
-    engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
-                         dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
-                         attention=args.attention, kernels=args.kernels)
+    try:
+        engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
+                             dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
+                             attention=args.attention, kernels=args.kernels)
+    except ValueError as exc:  # an option this machine cannot serve (fused kernels on a CPU, say): say which
+        raise SystemExit(f"decode_loop: {exc}") from None
     kernels = "fused" if engine.target.fused else "torch"
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
-          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, run-ahead "
-          f"{args.run_ahead})", flush=True)
+          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {spec.draft_select} "
+          f"draft selection, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)

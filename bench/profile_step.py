@@ -160,6 +160,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new", type=int, default=112)
     p.add_argument("--draft-noise", type=float, default=0.2)
+    p.add_argument("--draft-select", default="torch", choices=["torch", "fused"],
+                   help="draft levels' candidate selection: torch ops or one fused kernel per level")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     return p.parse_args(argv)
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
     cfg = getattr(ModelConfig, args.size)()
-    spec = SpecConfig(draft_noise=args.draft_noise)
+    spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
         raise SystemExit(f"--max-new {args.max_new} is too short for {args.warmup + args.steps} speculative steps")
     results, rows = {}, []

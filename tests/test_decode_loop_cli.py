@@ -118,3 +118,20 @@ def test_attention_kernel_and_run_ahead_flags():
     import pytest
     with pytest.raises(SystemExit):
         decode_loop.parse_args(["--attention", "triton"])
+
+
+def test_draft_select_flag_reaches_the_engine_and_refuses_what_the_machine_cannot_run(tmp_path, capsys, monkeypatch):
+    """``--draft-select fused`` runs the fused selection (here in Triton's interpreter) and says so; where
+    Triton cannot run it the run stops with one line naming the option, not a traceback."""
+    import pytest
+    pytest.importorskip("triton")
+    out = tmp_path / "dl"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "3", "--draft-select", "fused",
+                             "--variants", "spec", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["spec"]["draft_select"] == "fused" and "fused draft selection" in capsys.readouterr().out
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit, match="draft_select='fused' needs Triton and a CUDA device"):
+        decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "3", "--draft-select", "fused",
+                          "--out", str(out)])

@@ -89,6 +89,9 @@ class SpecConfig:
         draft_layers: layers of the draft model (a noisy copy of the target's first layers).
         draft_noise: relative std of the Gaussian noise added to the draft's copied weights; larger
             noise lowers the acceptance rate.
+        draft_select: how each draft level picks its candidates and next beam: ``"torch"`` ops, or one
+            ``"fused"`` Triton kernel per level (:mod:`bench.engine.draft_select`; CUDA, or Triton's
+            interpreter).
     """
 
     topk: int = 4
@@ -96,6 +99,7 @@ class SpecConfig:
     num_draft_tokens: int = 16
     draft_layers: int = 1
     draft_noise: float = 0.05
+    draft_select: str = "torch"
 
     def __post_init__(self) -> None:
         candidates = self.topk + (self.steps - 1) * self.topk * self.topk

@@ -21,6 +21,7 @@ from graphpool import GraphPool, Mode, StepBatch, StepInput
 
 from .attention import TorchLayouts
 from .config import ModelConfig, SpecConfig
+from .draft_select import draft_level, resolve_draft_select
 from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import build_draft, build_target
@@ -68,6 +69,7 @@ class Engine:
         self.max_context = prompt_len + max_new_tokens + spec.num_draft_tokens + spec.topk * spec.steps
         if self.max_context + spec.num_draft_tokens > cfg.max_positions:
             raise ValueError(f"max_context {self.max_context} exceeds the model's max_positions {cfg.max_positions}")
+        self.fused_draft_select = resolve_draft_select(spec.draft_select, self.device)
         self.target = build_target(cfg, seed, self.device, dtype, kernels)
         self.draft = build_draft(self.target, spec.draft_layers, spec.draft_noise, seed + 1)
         self.tp = tp
@@ -175,11 +177,11 @@ class Engine:
         pos = start[:, None] + c.window_cols
         self.draft_attn.meta = self.layouts.causal(rows, start, w)
         hidden = self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.draft_attn)
-        logp = self.draft.log_probs(hidden.view(bs, w, -1)[:, -1])
-        top = logp.topk(k, dim=-1)
-        cand_tok, cand_score = [top.indices], [top.values - DEPTH_PENALTY]
+        root = draft_level(self.draft.lm_head(hidden.view(bs, w, -1)[:, -1]), None, k, DEPTH_PENALTY, 0,
+                           self.fused_draft_select)
+        cand_tok, cand_score = [root.tokens], [root.scores]
         cand_par = [c.root_parents.expand(bs, k)]
-        beam_tok, beam_score, beam_id = top.indices, cand_score[0], c.first_beam.expand(bs, k)
+        beam_tok, beam_score, beam_id = root.beam_tokens, root.beam_scores, c.first_beam.expand(bs, k)
         # Beam nodes get draft-KV scratch slots at columns n, n+1, ... (past every committed position);
         # beam_anc[b, i, j]: scratch column n+j holds an ancestor of beam node i (or the node itself).
         beam_anc = c.first_ancestors.expand(bs, -1, -1)
@@ -190,13 +192,12 @@ class Engine:
             self.draft_attn.meta = self.layouts.tree(rows, n, beam_anc[:, :, :(d - 1) * k])
             positions = (n + (d - 2))[:, None].expand(bs, k).reshape(-1)
             hidden = self.draft(beam_tok.reshape(-1), positions, self.draft_attn)
-            top = self.draft.log_probs(hidden).topk(k, dim=-1)
-            score = (beam_score[..., None] + top.values.view(bs, k, k) - DEPTH_PENALTY).reshape(bs, k * k)
-            toks = top.indices.view(bs, k * k)
-            cand_tok.append(toks), cand_score.append(score)
+            level = draft_level(self.draft.lm_head(hidden), beam_score, k, DEPTH_PENALTY, offset,
+                                self.fused_draft_select)
+            cand_tok.append(level.tokens), cand_score.append(level.scores)
             cand_par.append(beam_id[..., None].expand(bs, k, k).reshape(bs, k * k))
-            best = score.topk(k, dim=-1).indices
-            beam_tok, beam_score, beam_id = toks.gather(1, best), score.gather(1, best), offset + best
+            best = level.best
+            beam_tok, beam_score, beam_id = level.beam_tokens, level.beam_scores, level.beam_ids
             if d < sp.steps:
                 beam_anc = beam_anc.gather(1, (best // k)[..., None].expand(bs, k, beam_anc.shape[2]))
                 beam_anc[:, :, (d - 1) * k:d * k] |= c.eye

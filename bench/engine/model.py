@@ -119,11 +119,6 @@ class LlamaModel(nn.Module):
         """Logits ``[num_tokens, vocab]`` in at least float32 (so greedy argmax is stable across batch shapes)."""
         return self.lm_head(hidden).to(stats_dtype(hidden.dtype))
 
-    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``logits(hidden).log_softmax(-1)``, with the upcast inside the softmax kernel (one kernel fewer;
-        the upcast is exact, so the result is the same)."""
-        return nn.functional.log_softmax(self.lm_head(hidden), -1, dtype=stats_dtype(hidden.dtype))
-
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of every row, as ``logits(hidden).argmax(-1)`` (the upcast is exact, so the
         argmax is taken on the LM head's output directly: one kernel fewer)."""

@@ -121,8 +121,9 @@ if triton is not None:
             if HAS_BEAM:
                 base = tl.load(beam_ptr + b * ROWS + r)
             for j in tl.static_range(K):
-                best_col = tl.argmax(x, axis=0)  # the lowest index among equal values
-                log_p = (tl.max(x, axis=0) - top) - log_sum  # torch's order: (x - max) - log(sum)
+                # One reduction for the value and its index (the lowest index among equal values).
+                value, best_col = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                log_p = (value - top) - log_sum  # torch's order: (x - max) - log(sum)
                 cand_score = tl.where(slots == r * K + j, (base + log_p) - penalty, cand_score)
                 cand_tok = tl.where(slots == r * K + j, best_col.to(tl.int64), cand_tok)
                 x = tl.where(cols == best_col, float("-inf"), x)

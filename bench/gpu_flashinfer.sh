@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 11 on one H200 in one call (~6 min): FlashInfer's JIT compile (timed, then excluded), the C = 1
 # step profile, the GPU tests of FlashInfer attention and the decode loop, and the decode-loop sweeps with
-# --attention flashinfer and torch (quick set of C, with the float32 greedy identity check). Everything
-# goes to $OUT (or ./out): run.log (all output), profile_step.json, trace_spec.json.gz,
-# decode_{flashinfer,torch}.{json,png}. The summary table comes last. Each stage has a time limit, and
+# --attention flashinfer and torch, then flashinfer with --draft-select fused (quick set of C, with the
+# float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
+# profile_step.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png} (10
+# files: the device tool returns 8, so keep run.log first). The summary table comes last. Each stage has a time limit, and
 # the limits add up to under 10 minutes; expected total ~5 minutes after the wheels are installed.
 #
 # FlashInfer and apache-tvm-ffi are not installed on the H200: carry them as wheels in .whl/ and start
@@ -35,7 +36,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, s
 
 # 1. JIT: FlashInfer's attention module (one fa2 prefill module serves decode, causal and tree-masked
 #    calls), the engine's Triton kernels and graphpool's C++ checker; timed once, cached for the rest.
-stage "jit warm-up" 150 python3 - <<'EOF'
+stage "jit warm-up" 130 python3 - <<'EOF'
 import time, torch
 t = time.perf_counter()
 from bench.engine.fi_attention import FlashInferLayouts
@@ -57,18 +58,21 @@ print(f"graphpool checker + engine Triton kernels warm-up: {time.perf_counter() 
 EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
-stage "profile (C = 1)" 100 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
+stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.
-stage "gpu tests" 150 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
+stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py"
 
-# 4. The decode-loop sweeps (quick set of C: 1, 4, 16, 32, 128), FlashInfer then torch attention.
+# 4. The decode-loop sweeps (quick set of C: 1, 4, 16, 32, 128), FlashInfer then torch attention, then
+#    FlashInfer with the fused draft selection (one kernel per draft level; opt-in until measured here).
 for att in flashinfer torch; do
-  stage "decode_loop --attention $att" 90 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
+  stage "decode_loop --attention $att" 80 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
     --out "$OUT/decode_$att"
 done
+stage "decode_loop --attention flashinfer --draft-select fused" 80 python3 bench/decode_loop.py --quick \
+  --attention flashinfer --draft-select fused --identity-check --out "$OUT/decode_flashinfer_fused_draft"
 
 say ""
 say "================================ summary ================================"
@@ -76,9 +80,9 @@ grep -E "^FlashInfer JIT compile|^graphpool checker" "$LOG" | tee -a "$LOG.summa
 sed -n '/^per step at C = 1/,/^== /p' "$LOG" | grep -v "^== " | tee -a "$LOG.summary"
 echo "-- gpu tests" | tee -a "$LOG.summary"
 grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed|skipped|errors?|deselected)" "$LOG" | tail -12 | tee -a "$LOG.summary"
-for att in flashinfer torch; do
+for att in flashinfer torch "flashinfer --draft-select fused"; do
   echo "-- decode_loop --attention $att" | tee -a "$LOG.summary"
-  awk -v a="$att" '$0 ~ "== decode_loop --attention "a"$" {on=1} on' "$LOG" \
-    | sed -n '/^output tokens\/s by concurrency/,/^== /p' | grep -v "^== " | tee -a "$LOG.summary"
+  awk -v a="$att" '$0 == "== decode_loop --attention "a {on=1; next} /^== / {on=0} on' "$LOG" \
+    | sed -n '/^output tokens\/s by concurrency/,$p' | tee -a "$LOG.summary"
 done
 cat "$LOG.summary" >> "$LOG"; rm -f "$LOG.summary"

@@ -3,8 +3,9 @@
 # step profile, the GPU tests of FlashInfer attention and the decode loop, and the decode-loop sweeps with
 # --attention flashinfer and torch, then flashinfer with --draft-select fused (quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
-# profile_step.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png} (10
-# files: the device tool returns 8, so keep run.log first). The summary table comes last. Each stage has a time limit, and
+# profile_step.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png} (9
+# files; the device tool returns 8: remove the trace or a plot at the end of the call). The summary table
+# comes last. Each stage has a time limit, and
 # the limits add up to under 10 minutes; expected total ~5 minutes after the wheels are installed.
 #
 # FlashInfer and apache-tvm-ffi are not installed on the H200: carry them as wheels in .whl/ and start

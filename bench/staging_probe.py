@@ -16,6 +16,10 @@ replays, the host far ahead), so each kind's added GPU time per step is measured
                   kernel's dependency chain (8 programs)
   chain-nowr    the same without the host store (progress published less often?)
   whole-ring    the same, reading all 64 ring slots beside the counter (no counter -> host dependency)
+  br-empty      the bare step with a side branch (a stream forked at the graph's start, joined at its end)
+                holding the ``empty`` kernel: what a branch itself costs
+  br-host-read  the same branch holding the ``host-read`` kernel (a prefetch of the next ring row would)
+  br-copy-4k    the same branch holding a 4 KiB host-to-device copy (the copy engine, no SM)
 
 It needs CUDA and Triton. Usage: ``python bench/staging_probe.py [--iters 400]``; prints one table.
 """
@@ -64,15 +68,18 @@ def _probe(counter_ptr, host_addr, data_ptr, sink_ptr, READ_DEVICE: tl.constexpr
 
 
 _OFF = dict(READ_DEVICE=False, READ_HOST=False, WRITE_HOST=False, CHAIN=False, WHOLE_RING=False)
-KINDS = {  # name: (flags, programs)
+KINDS = {  # name: (probe kernel flags, programs, where it runs: before the step, or a side branch of it)
     "bare": None,
-    "empty": ({**_OFF}, 1),
-    "dev-read": ({**_OFF, "READ_DEVICE": True}, 1),
-    "host-read": ({**_OFF, "READ_HOST": True}, 1),
-    "host-write": ({**_OFF, "WRITE_HOST": True}, 1),
-    "chain": ({**_OFF, "CHAIN": True, "WRITE_HOST": True}, 8),
-    "chain-nowr": ({**_OFF, "CHAIN": True}, 8),
-    "whole-ring": ({**_OFF, "CHAIN": True, "WHOLE_RING": True, "WRITE_HOST": True}, 8),
+    "empty": ({**_OFF}, 1, "serial"),
+    "dev-read": ({**_OFF, "READ_DEVICE": True}, 1, "serial"),
+    "host-read": ({**_OFF, "READ_HOST": True}, 1, "serial"),
+    "host-write": ({**_OFF, "WRITE_HOST": True}, 1, "serial"),
+    "chain": ({**_OFF, "CHAIN": True, "WRITE_HOST": True}, 8, "serial"),
+    "chain-nowr": ({**_OFF, "CHAIN": True}, 8, "serial"),
+    "whole-ring": ({**_OFF, "CHAIN": True, "WHOLE_RING": True, "WRITE_HOST": True}, 8, "serial"),
+    "br-empty": ({**_OFF}, 1, "branch"),
+    "br-host-read": ({**_OFF, "READ_HOST": True}, 1, "branch"),
+    "br-copy-4k": (None, 0, "branch"),  # no probe kernel: a host-to-device copy
 }
 SLOTS = 64
 
@@ -92,16 +99,35 @@ def main(argv: list[str] | None = None) -> int:
     host = torch.zeros(SLOTS + 1, dtype=torch.int64, pin_memory=True)
     data = torch.arange(8, dtype=torch.int64, device=device)
     sink = torch.zeros(8, dtype=torch.int64, device=device)
+    host4k, dev4k = torch.zeros(512, dtype=torch.int64, pin_memory=True), torch.zeros(512, dtype=torch.int64, device=device)
+    branch = torch.cuda.Stream()
     rows = []
     for mode, bs in keys:
         inputs = step.sample(mode, bs)
         batch = gp.StepBatch(mode, bs, bs * mode.tokens_per_seq, inputs)
         graphs = {}
-        for kind, flags in KINDS.items():
-            def body(flags=flags) -> None:
-                if flags is not None:
-                    _probe[(flags[1],)](counter, host.data_ptr(), data, sink, SLOTS=SLOTS, **flags[0])
+        for name, kind in KINDS.items():
+            def body(kind=kind) -> None:
+                if kind is None:
+                    step.step_fn(batch)
+                    return
+                flags, programs, where = kind
+
+                def node() -> None:
+                    if flags is None:
+                        dev4k.copy_(host4k, non_blocking=True)
+                    else:
+                        _probe[(programs,)](counter, host.data_ptr(), data, sink, SLOTS=SLOTS, **flags)
+                if where == "serial":
+                    node()
+                    step.step_fn(batch)
+                    return
+                main = torch.cuda.current_stream()
+                branch.wait_stream(main)
+                with torch.cuda.stream(branch):
+                    node()
                 step.step_fn(batch)
+                main.wait_stream(branch)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -110,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 body()
-            graphs[kind] = graph
-        times = {kind: [] for kind in graphs}
+            graphs[name] = graph
+        times = {name: [] for name in graphs}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         block = 20
         for _ in range(max(1, args.iters // block)):
@@ -127,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((mode.name, bs, med))
     kinds = list(KINDS)
     print("GPU us per step, graphs replayed back to back (median of blocks of 20); +x = added over bare")
-    print(f"{'mode':8} {'bs':>3} {'bare':>8} " + " ".join(f"{k:>11}" for k in kinds[1:]))
+    print(f"{'mode':8} {'bs':>3} {'bare':>8} " + " ".join(f"{k:>12}" for k in kinds[1:]))
     for name, bs, med in rows:
-        print(f"{name:8} {bs:3d} {med['bare']:8.1f} " + " ".join(f"{'+%.2f' % (med[k] - med['bare']):>11}" for k in kinds[1:]))
+        print(f"{name:8} {bs:3d} {med['bare']:8.1f} " + " ".join(f"{'+%.2f' % (med[k] - med['bare']):>12}" for k in kinds[1:]))
     print("bare: the step's graph alone. empty: + a kernel node storing one device word. dev-read: + one dependent "
           "device read. host-read: + one read of pinned host memory. host-write: + one store to pinned host memory. "
           "chain: 8 programs, each device counter -> host ring slot -> device data -> store, program 0 a host store "
           "(the staging kernel's chain). chain-nowr: without the host store. whole-ring: every ring slot read beside "
-          "the counter (no counter -> host dependency).")
+          "the counter (no counter -> host dependency). br-*: the bare step with a side branch (forked at the "
+          "graph's start, joined at its end) holding an empty kernel, a host read, or a 4 KiB host-to-device copy.")
     return 0
 
 

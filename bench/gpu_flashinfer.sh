@@ -3,8 +3,8 @@
 # step profile, the GPU tests of FlashInfer attention and the decode loop, and the decode-loop sweeps with
 # --attention flashinfer and torch, then flashinfer with --draft-select fused (quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
-# profile_step.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png} (9
-# files; the device tool returns 8: remove the trace or a plot at the end of the call). The summary table
+# profile_step{,_fused_draft}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png}
+# (10 files; the device tool returns 8: remove the trace and a plot at the end of the call). The summary table
 # comes last. Each stage has a time limit, and
 # the limits add up to under 10 minutes; expected total ~5 minutes after the wheels are installed.
 #
@@ -60,6 +60,8 @@ EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
+stage "profile (C = 1) --draft-select fused" 60 python3 bench/profile_step.py --configs flashinfer:fused \
+  --draft-select fused --out "$OUT/profile_step_fused_draft"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.

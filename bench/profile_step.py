@@ -45,13 +45,14 @@ log = logging.getLogger("profile_step")
 
 CATEGORIES = [  # first match wins
     ("staging", re.compile(r"_stage_kernel")),
-    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask)_kernel")),
+    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level)_kernel")),
     ("attention", re.compile(r"flashinfer|BatchPrefill|BatchDecode|PrefillWith|DecodeWith|MergeStates|fmha|flash|"
                              r"attention|efficient", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 ]
 STEP_MARK = "_stage_kernel"  # graphpool's staging kernel: the first node of every step graph
+TOP_KERNELS = 30  # kernel names kept per step kind, by GPU time
 VARIANTS = [("plain", "plain", 1), ("spec", "spec", 1), ("spec, sync per step", "spec", 0)]
 
 
@@ -89,9 +90,12 @@ def analyse(device_events: list[tuple[str, float, float]], launches: list[float]
     marks = [s for name, s, _ in events if STEP_MARK in name][skip:]
     if len(marks) < 2:
         return {"steps": 0}
-    per_step = []
+    per_step, by_name = [], {}
     for a, b in zip(marks, marks[1:]):
         inside = [(n, s, e) for n, s, e in events if a <= s < b]
+        for n, s, e in inside:
+            count, us = by_name.get(n, (0, 0.0))
+            by_name[n] = (count + 1, us + min(e, b) - s)
         kernels = [x for x in inside if category(x[0]) != "copy"]
         cats = {}
         for n, s, e in inside:
@@ -105,6 +109,9 @@ def analyse(device_events: list[tuple[str, float, float]], launches: list[float]
     host = sorted(t for t in launches if marks[0] - 1e5 <= t <= marks[-1])
     gaps = [b - a for a, b in zip(host, host[1:])]
     out["host_ms"] = statistics.median(gaps) / 1e3 if gaps else None
+    steps = len(per_step)
+    out["top_kernels"] = [{"name": n, "per_step": c / steps, "us_per_step": us / steps}
+                          for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]]
     return out
 
 
@@ -203,7 +210,16 @@ def main(argv=None) -> int:
                                                    indent=1, default=str))
     print(f"wrote {out.with_suffix('.json')}")
     print(table(rows))
+    print(kernel_table(rows[-2]))  # the last config's speculative step: what to fuse next
     return 0
+
+
+def kernel_table(row: dict) -> str:
+    """The step's kernels by GPU time: launches and microseconds per step, name shortened."""
+    lines = [f"top kernels of {row['config']} {row['step']} (per step): launches, us, name"]
+    for k in row.get("top_kernels", []):
+        lines.append(f"{k['per_step']:>6.1f} {k['us_per_step']:>8.1f}  {k['name'][:110]}")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

@@ -22,6 +22,10 @@ def test_analyse_splits_steps_at_the_staging_kernel_and_measures_busy_idle_and_h
     assert got["gemm_ms"] == pytest.approx(0.058) and got["copy_ms"] == pytest.approx(0.015)
     assert got["attention_ms"] == pytest.approx(0.010) and got["other_ms"] == pytest.approx(0.005)
     assert got["host_ms"] == pytest.approx(0.101)
+    top = {k["name"]: (k["per_step"], k["us_per_step"]) for k in got["top_kernels"]}
+    assert top["nvjet_hsh_128x64"] == (1, pytest.approx(58)) and list(top)[0] == "nvjet_hsh_128x64"  # by time
+    assert "prefill_gemm" not in top and "nvjet_hsh_128x64" in profile_step.kernel_table(
+        {"config": "c", "step": "spec", **got})
     assert profile_step.analyse(events[:3], [], skip=1) == {"steps": 0}
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
 from bench.engine.costs import plain_step, spec_step  # noqa: E402
+from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.harness import build  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 
@@ -45,7 +46,7 @@ log = logging.getLogger("profile_step")
 
 CATEGORIES = [  # first match wins
     ("staging", re.compile(r"_stage_kernel")),
-    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level)_kernel")),
+    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level|embed_rmsnorm|argmax_rows)_kernel")),
     ("attention", re.compile(r"flashinfer|BatchPrefill|BatchDecode|PrefillWith|DecodeWith|MergeStates|fmha|flash|"
                              r"attention|efficient", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),
@@ -167,8 +168,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new", type=int, default=112)
     p.add_argument("--draft-noise", type=float, default=0.2)
-    p.add_argument("--draft-select", default="torch", choices=["torch", "fused"],
-                   help="draft levels' candidate selection: torch ops or one fused kernel per level")
+    p.add_argument("--draft-select", default="auto", choices=DRAFT_SELECT,
+                   help="draft levels' candidate selection: torch ops, one fused kernel per level, or auto "
+                        "(fused where Triton can run it)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     return p.parse_args(argv)

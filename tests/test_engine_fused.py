@@ -1,4 +1,4 @@
-"""The fused Triton kernels of the decoder layer (bench/engine/fused.py) against the torch code they
+"""The fused Triton kernels of the model (bench/engine/fused.py) against the torch code they
 replace. On CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); the same
 tests run compiled on the GPU, and the model test checks a whole forward, fused against plain torch."""
 from __future__ import annotations
@@ -14,11 +14,13 @@ pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs Triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _tol(dtype):
     # The kernels round where torch rounds; sums run in another order, so results may differ by an ulp
-    # (bf16: 2^-8 relative). Triton's interpreter (CPU) truncates to bf16 where the GPU rounds to nearest.
+    # (bf16: 2^-8 relative, fp16: 2^-11). Triton's interpreter (CPU) truncates to bf16 where the GPU rounds
+    # to nearest.
     return dict(rtol=1e-5, atol=1e-5) if dtype is torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
 
 
@@ -38,6 +40,63 @@ def test_add_rmsnorm_matches_torch(dtype, with_residual):
     want_out, want_h = fused.add_rmsnorm_reference(x, res, w, 1e-6)
     torch.testing.assert_close(got_h, want_h, **_exact(dtype))  # the add rounds exactly as torch's
     torch.testing.assert_close(got_out, want_out, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_embed_rmsnorm_matches_torch(dtype):
+    torch.manual_seed(5)
+    vocab, hidden = 50, 96  # hidden not a power of two: the block has masked columns
+    table = torch.randn(vocab, hidden, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3, 17, 8, 8], device=DEVICE)
+    got_out, got_h = fused.embed_rmsnorm(ids, table, w, 1e-6, fused=True)
+    want_out, want_h = fused.embed_rmsnorm(ids, table, w, 1e-6, fused=False)
+    # The torch code is the model's old path: the embedding, then add_rmsnorm without a residual.
+    ref_out, ref_h = fused.add_rmsnorm_reference(torch.nn.functional.embedding(ids, table), None, w, 1e-6)
+    assert torch.equal(want_h, ref_h) and torch.equal(want_out, ref_out)
+    assert got_h.dtype == got_out.dtype == dtype and got_h.shape == got_out.shape == (7, hidden)
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=0)  # the rows, copied
+    torch.testing.assert_close(got_out, want_out, **_tol(dtype))
+    # ... and the norm rounds as add_rmsnorm's kernel does on the same rows.
+    torch.testing.assert_close(got_out, fused.add_rmsnorm(want_h, None, w, 1e-6, fused=True)[0], rtol=0, atol=0)
+    # ids may be a strided view (a column of a [N, 2] tensor)
+    pairs = torch.stack([ids, ids.flip(0)], dim=1)
+    got_out, got_h = fused.embed_rmsnorm(pairs[:, 1], table, w, 1e-6, fused=True)
+    torch.testing.assert_close(got_h, table[ids.flip(0)], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("vocab", [512, 4096 + 37, 32000])
+def test_argmax_rows_matches_torch(dtype, vocab):
+    """Small integers make many ties (torch picks the first maximum); vocabs above ARGMAX_BLOCK loop over
+    blocks. Rows are strided (a slice of wider rows)."""
+    gen = torch.Generator().manual_seed(6)
+    wide = torch.randint(-40, 40, (6, vocab + 8), generator=gen).to(dtype).to(DEVICE)
+    x = wide[:, :vocab]
+    x[1] = float("-inf")  # every value equal: column 0
+    x[2, 1:] = float("-inf")
+    x[3] = torch.randn(vocab, generator=gen).to(dtype).to(DEVICE)  # few or no ties
+    got = fused.argmax_rows(x, fused=True)
+    assert got.dtype == torch.int64 and got.shape == (6,)
+    assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+    assert torch.equal(fused.argmax_rows(x, fused=False), x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_argmax_rows_ties_across_blocks(dtype):
+    """A tie between blocks and between lanes of different blocks goes to the lowest column."""
+    block = fused.ARGMAX_BLOCK
+    vocab = 3 * block - 5  # three blocks, the last one partly masked
+    x = torch.zeros(4, vocab, device=DEVICE, dtype=dtype)
+    ties = [[block + 1, 10, 2 * block + 3],         # a later block's lower lane: column 10 wins
+            [block + 7, 7, 2 * block + 7],           # one lane in every block: the first block's
+            [2 * block + 2, block + 9],              # no maximum in the first block
+            [vocab - 1]]                             # the last (masked) block's last column
+    for row, cols in enumerate(ties):
+        x[row, cols] = 2.5
+    want = torch.tensor([min(c) for c in ties], device=DEVICE)
+    assert torch.equal(x.argmax(-1), want)
+    assert torch.equal(fused.argmax_rows(x, fused=True), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,3 +168,28 @@ def test_model_forward_fused_matches_torch():
     model.fused = True
     got = model(ids, pos, dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_torch_path_unchanged_and_greedy_fused():
+    """The torch path still computes the embedding then the first layer's add_rmsnorm (bit for bit what the
+    model did before the embedding kernel), and greedy fused picks torch's argmax."""
+    cfg = ModelConfig.tiny()
+    model = build_target(cfg, seed=5, device=DEVICE, kernels="torch")
+    ids = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    pos = torch.arange(7, device=DEVICE)
+
+    def dense(layer_id, q, k, v):
+        from bench.engine.attention import reference_attention
+        t = q.shape[0]
+        return reference_attention(q, k, v, torch.ones(t, t, dtype=torch.bool, device=q.device).tril())
+
+    h, delta = model.embed(ids), None
+    for layer in model.layers:
+        h, delta = layer(h, delta, pos, (model.rope_cos, model.rope_sin), dense, False)
+    want = fused.add_rmsnorm(delta, h, model.norm.weight, model.norm.eps, False)[0]
+    hidden = model(ids, pos, dense)
+    torch.testing.assert_close(hidden, want, rtol=0, atol=0)
+    want_tokens = model.logits(hidden).argmax(-1)
+    assert torch.equal(model.greedy(hidden), want_tokens)
+    model.fused = True
+    assert torch.equal(model.greedy(hidden), want_tokens)

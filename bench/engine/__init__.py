@@ -12,7 +12,8 @@ Stable pieces (import them on their own):
   (each step's metadata), and the longhand :func:`reference_attention` oracle.
 * :mod:`bench.engine.fi_attention`: FlashInfer attention (CUDA, bf16/fp16), planned once per shape, its
   metadata built in the graph by :mod:`bench.engine.fi_meta` (Triton kernels with torch references).
-* :mod:`bench.engine.fused`: fused Triton kernels for the norms, rotary embedding, SwiGLU and KV store.
+* :mod:`bench.engine.fused`: fused Triton kernels for the embedding lookup with the first norm, the norms, rotary
+  embedding, SwiGLU, KV store and the greedy argmax.
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
 * :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 * :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the

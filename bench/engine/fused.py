@@ -1,4 +1,4 @@
-"""Fused elementwise kernels of the decoder layer, each beside the plain-torch code it replaces.
+"""Fused Triton kernels of the model's forward and greedy pick, each beside the plain-torch code it replaces.
 
 A decode step of the medium model at C = 1 reads 3.5 GB of weights (0.8 ms at the H200's bandwidth);
 in plain torch each layer also launches ~55 tiny kernels (the norms' casts and reductions, the rotary
@@ -12,9 +12,20 @@ the step time. These Triton kernels do each of those pieces in one launch:
 * :func:`silu_mul`: ``silu(gate) * up`` of a fused gate/up projection.
 * :func:`store_kv`: write the step's keys and values into their KV-cache slots.
 
+Two more replace torch kernels that a profile of the speculative step showed slow for what they do
+(medium model, bs 1, on an H200, run X, measured before these kernels existed):
+
+* :func:`embed_rmsnorm`: the embedding lookup and the first layer's norm in one launch. Torch's lookup
+  (``indexSelectSmallIndex``) took 5.6 us a call (5 calls a speculative step, 1 a plain step), and the
+  norm was a launch of its own.
+* :func:`argmax_rows`: greedy argmax over the logits, one program per row. Torch's ``reduce_kernel`` took
+  16 us for ``[16, 4096]`` bf16 (one output per row, so few blocks).
+
 Each kernel reproduces the torch code's roundings (float32 math, a round to the model dtype wherever
-torch rounds), so fused and plain steps agree to within reduction order. The torch functions below are
-the CPU path and the test oracle; :func:`use_fused` says which a tensor gets.
+torch rounds), so fused and plain steps agree to within reduction order; the embedding rows and the argmax
+(ties included) agree exactly. The torch code (in each function, or below) is the CPU path and the test
+oracle; each function's ``fused`` flag picks which runs (the model's ``fused``, from
+:func:`fused_available` via :func:`bench.engine.model.resolve_kernels`).
 """
 from __future__ import annotations
 
@@ -43,6 +54,15 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------------------------------- kernels
 if triton is not None:
     @triton.jit
+    def _rmsnorm_row(x, w_ptr, cols, inside, n_cols, eps):
+        """``rmsnorm(x) * weight`` of one row ``x`` (model dtype; masked columns 0), as float32 with the torch
+        code's roundings: float32 statistics, the normalised row rounded to the dtype, then times the weight."""
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        return (xf * rstd).to(x.dtype).to(tl.float32) * w
+
+    @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_res, stride_out, stride_h,
                             n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -53,11 +73,20 @@ if triton is not None:
             res = tl.load(res_ptr + row * stride_res + cols, mask=inside, other=0.0)
             x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # torch rounds the sum to the dtype
             tl.store(h_ptr + row * stride_h + cols, x, mask=inside)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        y = (xf * rstd).to(x.dtype).to(tl.float32) * w  # normalised, rounded, then times the weight
+        y = _rmsnorm_row(x, w_ptr, cols, inside, n_cols, eps)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _embed_rmsnorm_kernel(ids_ptr, table_ptr, w_ptr, out_ptr, h_ptr, stride_ids, stride_table, stride_out,
+                              stride_h, n_cols, eps, BLOCK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        row = tl.load(ids_ptr + tok * stride_ids).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(table_ptr + row * stride_table + cols, mask=inside, other=0.0)  # the embedding row
+        tl.store(h_ptr + tok * stride_h + cols, x, mask=inside)
+        y = _rmsnorm_row(x, w_ptr, cols, inside, n_cols, eps)
+        tl.store(out_ptr + tok * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_pos,
@@ -105,6 +134,25 @@ if triton is not None:
         tl.store(k_cache_ptr + slot * WIDTH + cols, tl.load(k_ptr + tok * stride_k + cols, mask=inside), mask=inside)
         tl.store(v_cache_ptr + slot * WIDTH + cols, tl.load(v_ptr + tok * stride_v + cols, mask=inside), mask=inside)
 
+    @triton.jit
+    def _argmax_rows_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        # Each lane keeps the largest value it has seen and its column; a strict ">" keeps the earlier
+        # (lower) column on ties, and a NaN never wins (NaN > v is false).
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_col = tl.zeros([BLOCK], dtype=tl.int32)
+        for blk in range(NUM_BLOCKS):  # a constexpr bound: Triton's interpreter (numpy 2) fails on a runtime one
+            cols = blk * BLOCK + lanes
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            take = x > best
+            best = tl.where(take, x, best)
+            best_col = tl.where(take, cols, best_col)
+        top = tl.max(best, axis=0)
+        # The lowest column among the lanes holding the maximum (an all -inf row: every lane, column 0).
+        first = tl.min(tl.where(best == top, best_col, n_cols), axis=0)
+        tl.store(out_ptr + row, first.to(tl.int64))
+
 
 def _rows_contiguous(t: torch.Tensor, name: str) -> None:
     if t.stride(-1) != 1:
@@ -140,6 +188,36 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     res = residual if residual is not None else x
     _add_rmsnorm_kernel[(n,)](x, res, weight, out, h, x.stride(0), res.stride(0), out.stride(0), h.stride(0),
                               hidden, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+    return out, h
+
+
+def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding lookup ``h = table[ids]`` and the first layer's norm ``rmsnorm(h) * weight``.
+
+    The torch code is ``embedding`` then :func:`add_rmsnorm` without a residual; the kernel copies the rows
+    exactly and computes the norm with :func:`add_rmsnorm`'s kernel code (the same roundings).
+
+    Args:
+        ids: ``[N]`` int64 token ids, each in ``[0, vocab)`` (not checked on the fused path).
+        table: ``[vocab, hidden]`` embedding weight in the model dtype.
+        weight: ``[hidden]`` norm weight.
+        eps: the norm's epsilon.
+        fused: one Triton launch (CUDA) or the torch code.
+    Returns:
+        ``(normed, h)``: the norm's output and the residual stream (the embeddings, in the table's dtype).
+    """
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be one-dimensional [N], got shape {tuple(ids.shape)}")
+    if not fused:
+        return add_rmsnorm_reference(torch.nn.functional.embedding(ids, table), None, weight, eps)
+    _rows_contiguous(table, "table")
+    n, hidden = ids.shape[0], table.shape[1]
+    out = torch.empty(n, hidden, dtype=table.dtype, device=table.device)
+    h = torch.empty_like(out)
+    block = triton.next_power_of_2(hidden)
+    _embed_rmsnorm_kernel[(n,)](ids, table, weight, out, h, ids.stride(0), table.stride(0), out.stride(0),
+                                h.stride(0), hidden, eps, BLOCK=block, num_warps=_warps(block))
     return out, h
 
 
@@ -206,6 +284,28 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
     width = kvh * dim
     _store_kv_kernel[(n,)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), WIDTH=width,
                            BLOCK=triton.next_power_of_2(width), num_warps=4)
+
+
+ARGMAX_BLOCK = 4096  # columns a program of argmax_rows reads at a time; wider rows loop over blocks
+
+
+def argmax_rows(x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``x [rows, n]`` (float32 or a 16-bit float): int64 ``[rows]``, the lowest column
+    among equal maxima (torch's rule), values compared in float32 (an exact upcast).
+
+    One program per row. NaNs are skipped on the fused path (torch would pick a NaN's column).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be two-dimensional [rows, n], got shape {tuple(x.shape)}")
+    if not fused:
+        return x.argmax(-1)
+    _rows_contiguous(x, "x")
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    block = min(triton.next_power_of_2(n), ARGMAX_BLOCK)
+    _argmax_rows_kernel[(rows,)](x, out, x.stride(0), n, BLOCK=block, NUM_BLOCKS=triton.cdiv(n, block),
+                                 num_warps=_warps(block))
+    return out
 
 
 # ---------------------------------------------------------------------------- torch code (CPU, oracle)

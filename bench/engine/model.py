@@ -9,8 +9,9 @@ That keeps the model reusable by any harness (the SGLang test harness wraps its 
         out: [num_tokens, num_heads * head_dim]
 
 :class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation. Norms, rotary
-embeddings and SwiGLU run as fused Triton kernels where ``model.fused`` (CUDA; :mod:`bench.engine.fused`),
-as plain torch elsewhere; ``v`` reaches the attention as a view into the qkv projection (rows strided).
+embeddings, SwiGLU, the embedding lookup (with the first norm) and the greedy argmax run as fused Triton
+kernels where ``model.fused`` (CUDA; :mod:`bench.engine.fused`), as plain torch elsewhere; ``v`` reaches the
+attention as a view into the qkv projection (rows strided).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .fused import add_rmsnorm, fused_available, rmsnorm_reference, rope_qk, silu_mul, stats_dtype
+from .fused import (add_rmsnorm, argmax_rows, embed_rmsnorm, fused_available, rmsnorm_reference, rope_qk,
+                    silu_mul, stats_dtype)
 
 
 class AttentionFn(Protocol):
@@ -53,7 +55,8 @@ class DecoderLayer(nn.Module):
 
     The layer takes the residual stream ``h`` and the previous block's output ``delta`` (``None`` for the
     first layer) and adds them inside its first norm, so one fused kernel does the residual add and the
-    norm (see :mod:`bench.engine.fused`). It returns the new ``(h, delta)``.
+    norm (see :mod:`bench.engine.fused`). The first layer may instead be given that norm's output as
+    ``normed`` (the model computes it with the embedding lookup). It returns the new ``(h, delta)``.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -69,10 +72,16 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: tuple,
-                attn: AttentionFn, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: AttentionFn, fused: bool,
+                normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         kv_start = (self.num_heads + self.num_kv_heads) * self.head_dim
-        x, h = add_rmsnorm(h, delta, self.input_norm.weight, self.input_norm.eps, fused)
+        if normed is None:
+            x, h = add_rmsnorm(h, delta, self.input_norm.weight, self.input_norm.eps, fused)
+        elif delta is None:
+            x = normed  # input_norm(h), computed by the caller
+        else:
+            raise ValueError("pass delta (added to h, then normed) or normed (the first layer's), not both")
         qkv = self.qkv_proj(x)
         q, k = rope_qk(qkv, positions, *rope, self.num_heads, self.num_kv_heads, self.head_dim, fused)
         v = qkv[:, kv_start:].view(n, self.num_kv_heads, self.head_dim)
@@ -100,7 +109,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.fused = False  # Triton kernels for norms, rotary and SwiGLU (see resolve_kernels)
+        self.fused = False  # Triton kernels for the lookup, norms, rotary, SwiGLU and argmax (see resolve_kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm.
@@ -110,8 +119,11 @@ class LlamaModel(nn.Module):
             positions: ``[num_tokens]`` int64 positions (rotary embedding index).
             attn: the attention callable; it sees every layer's q, k, v and owns the KV cache.
         """
-        h, delta, rope = self.embed(input_ids), None, (self.rope_cos, self.rope_sin)
-        for layer in self.layers:
+        rope, first = (self.rope_cos, self.rope_sin), self.layers[0]
+        # The lookup and the first layer's input norm in one kernel (fused) or as embedding then the norm.
+        x, h = embed_rmsnorm(input_ids, self.embed.weight, first.input_norm.weight, first.input_norm.eps, self.fused)
+        h, delta = first(h, None, positions, rope, attn, self.fused, normed=x)
+        for layer in self.layers[1:]:
             h, delta = layer(h, delta, positions, rope, attn, self.fused)
         return add_rmsnorm(delta, h, self.norm.weight, self.norm.eps, self.fused)[0]
 
@@ -121,8 +133,8 @@ class LlamaModel(nn.Module):
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of every row, as ``logits(hidden).argmax(-1)`` (the upcast is exact, so the
-        argmax is taken on the LM head's output directly: one kernel fewer)."""
-        return self.lm_head(hidden).argmax(-1)
+        argmax is taken on the LM head's output directly: one kernel fewer; a Triton kernel where fused)."""
+        return argmax_rows(self.lm_head(hidden), self.fused)
 
 
 KERNELS = ("auto", "fused", "torch")

@@ -26,7 +26,8 @@ from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import build_draft, build_target
 from .parallel import TensorParallel
-from .tree import DEPTH_PENALTY, greedy_accept, select_tree
+from .tree import DEPTH_PENALTY
+from .tree_kernels import accept_and_commit_fused, select_tree_fused
 
 log = logging.getLogger(__name__)
 
@@ -153,20 +154,22 @@ class Engine:
         return nxt
 
     def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``."""
+        """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``.
+
+        With ``fused_draft_select`` (``spec.draft_select == "fused"``) the tree's selection (end of
+        :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
+        (:mod:`bench.engine.tree_kernels`), besides each draft level's selection; else the torch ops."""
         sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
         tree = self._draft_tree(n, rows)
         # Verify: node i sits in the row's slot at column n-1+i (the root's own slot, then scratch columns).
         last = n - 1
-        cols = last[:, None] + c.tree_cols
-        slots = self.req_to_token[rows[:, None], cols]
         self.target_attn.meta = self.layouts.tree(rows, last, tree.mask)
         hidden = self.target(tree.tokens.reshape(-1), (last[:, None] + tree.depth).reshape(-1), self.target_attn)
-        acc = greedy_accept(tree, self.target.greedy(hidden).view(bs, -1), sp.steps)
-        # Accepted nodes' slots move to columns n-1 .. n-1+a (a permutation of the row: no KV copies).
-        self.req_to_token[rows[:, None], cols] = slots.gather(1, acc.order)
-        self.token_table[rows[:, None], n[:, None] + c.commit_cols] = acc.new_tokens
-        return acc.accept_len
+        # Accept; the accepted nodes' slots move to columns n-1 .. n-1+a (a permutation of the row: no KV
+        # copies) and their tokens plus the bonus token go to token_table from column n.
+        return accept_and_commit_fused(tree, self.target.greedy(hidden).view(bs, -1), sp.steps, rows, n,
+                                       self.req_to_token, self.token_table, c.tree_cols, c.commit_cols,
+                                       self.fused_draft_select)
 
     def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor):
         sp, bs, c = self.spec, rows.shape[0], self._const
@@ -203,8 +206,8 @@ class Engine:
                 beam_anc[:, :, (d - 1) * k:d * k] |= c.eye
             offset += k * k
         root = self.token_table[rows, n - 1]
-        return select_tree(root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
-                           c.cand_depth, sp.num_draft_tokens, sp.steps)
+        return select_tree_fused(root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
+                                 c.cand_depth, sp.num_draft_tokens, sp.steps, self.fused_draft_select)
 
     # ------------------------------------------------------------------------------- eager helpers
     @torch.no_grad()

@@ -137,9 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: flashinfer on CUDA in bf16/fp16 where installed, else torch")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="fused Triton norms/rotary/SwiGLU (auto: on CUDA) or plain torch")
-    p.add_argument("--draft-select", default="torch", choices=DRAFT_SELECT,
+    p.add_argument("--draft-select", default="auto", choices=DRAFT_SELECT,
                    help="how each draft level picks its candidates: torch ops (~8 launches) or one fused Triton "
-                        "kernel (bench/engine/draft_select.py; not yet measured on a GPU, hence not the default)")
+                        "kernel (bench/engine/draft_select.py); auto: fused where Triton can run it (CUDA), "
+                        "else torch")
     p.add_argument("--run-ahead", type=int, default=1,
                    help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
     p.add_argument("--identity-check", action="store_true",
@@ -282,8 +283,10 @@ def run(tp, args: argparse.Namespace) -> int:
     except ValueError as exc:  # an option this machine cannot serve (fused kernels on a CPU, say): say which
         raise SystemExit(f"decode_loop: {exc}") from None
     kernels = "fused" if engine.target.fused else "torch"
+    selection = "fused" if engine.fused_draft_select else "torch"
+    selection += " (auto)" if spec.draft_select == "auto" else ""
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
-          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {spec.draft_select} "
+          f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
           f"draft selection, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
@@ -341,6 +344,7 @@ def run(tp, args: argparse.Namespace) -> int:
             "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                             "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
+            "draft_select": "fused" if engine.fused_draft_select else "torch",
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 11 on one H200 in one call (~6 min): FlashInfer's JIT compile (timed, then excluded), the C = 1
 # step profile, the GPU tests of FlashInfer attention and the decode loop, and the decode-loop sweeps with
-# --attention flashinfer and torch, then flashinfer with --draft-select fused (quick set of C, with the
+# --attention flashinfer and torch, then flashinfer with --draft-select torch (the speculative step's
+# selection and acceptance as torch ops instead of the default fused kernels; quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
-# profile_step{,_fused_draft}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_fused_draft}.{json,png}
+# profile_step{,_torch_select}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
 # (10 files; the device tool returns 8: remove the trace and a plot at the end of the call). The summary table
 # comes last. Each stage has a time limit, and
 # the limits add up to under 10 minutes; expected total ~5 minutes after the wheels are installed.
@@ -37,7 +38,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, s
 
 # 1. JIT: FlashInfer's attention module (one fa2 prefill module serves decode, causal and tree-masked
 #    calls), the engine's Triton kernels and graphpool's C++ checker; timed once, cached for the rest.
-stage "jit warm-up" 130 python3 - <<'EOF'
+stage "jit warm-up" 110 python3 - <<'EOF'
 import time, torch
 t = time.perf_counter()
 from bench.engine.fi_attention import FlashInferLayouts
@@ -60,22 +61,23 @@ EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
-stage "profile (C = 1) --draft-select fused" 60 python3 bench/profile_step.py --configs flashinfer:fused \
-  --draft-select fused --out "$OUT/profile_step_fused_draft"
+stage "profile (C = 1) --draft-select torch" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --draft-select torch --out "$OUT/profile_step_torch_select"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.
-stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
-  python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py"
+stage "gpu tests" 140 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
+  python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_draft_select.py tests/test_engine_tree_kernels.py; \
+  python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py tests/test_examples.py"
 
 # 4. The decode-loop sweeps (quick set of C: 1, 4, 16, 32, 128), FlashInfer then torch attention, then
-#    FlashInfer with the fused draft selection (one kernel per draft level; opt-in until measured here).
+#    FlashInfer with the speculative step's selection and acceptance as torch ops (the gain of their kernels).
 for att in flashinfer torch; do
-  stage "decode_loop --attention $att" 80 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
+  stage "decode_loop --attention $att" 75 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
     --out "$OUT/decode_$att"
 done
-stage "decode_loop --attention flashinfer --draft-select fused" 80 python3 bench/decode_loop.py --quick \
-  --attention flashinfer --draft-select fused --identity-check --out "$OUT/decode_flashinfer_fused_draft"
+stage "decode_loop --attention flashinfer --draft-select torch" 75 python3 bench/decode_loop.py --quick \
+  --attention flashinfer --draft-select torch --identity-check --out "$OUT/decode_flashinfer_torch_select"
 
 say ""
 say "================================ summary ================================"
@@ -83,7 +85,7 @@ grep -E "^FlashInfer JIT compile|^graphpool checker" "$LOG" | tee -a "$LOG.summa
 sed -n '/^per step at C = 1/,/^== /p' "$LOG" | grep -v "^== " | tee -a "$LOG.summary"
 echo "-- gpu tests" | tee -a "$LOG.summary"
 grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed|skipped|errors?|deselected)" "$LOG" | tail -12 | tee -a "$LOG.summary"
-for att in flashinfer torch "flashinfer --draft-select fused"; do
+for att in flashinfer torch "flashinfer --draft-select torch"; do
   echo "-- decode_loop --attention $att" | tee -a "$LOG.summary"
   awk -v a="$att" '$0 == "== decode_loop --attention "a {on=1; next} /^== / {on=0} on' "$LOG" \
     | sed -n '/^output tokens\/s by concurrency/,$p' | tee -a "$LOG.summary"

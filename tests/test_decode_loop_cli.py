@@ -131,6 +131,8 @@ def test_draft_select_flag_reaches_the_engine_and_refuses_what_the_machine_canno
                              "--variants", "spec", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["meta"]["spec"]["draft_select"] == "fused" and "fused draft selection" in capsys.readouterr().out
+    assert data["meta"]["draft_select"] == "fused"  # the path that ran, also where the option was "auto"
+    assert decode_loop.parse_args([]).draft_select == "auto"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(SystemExit, match="draft_select='fused' needs Triton and a CUDA device"):
         decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "3", "--draft-select", "fused",

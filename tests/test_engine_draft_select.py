@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 from bench.engine.config import ModelConfig, SpecConfig  # noqa: E402
-from bench.engine.draft_select import draft_level, resolve_draft_select  # noqa: E402
+from bench.engine import draft_select  # noqa: E402
+from bench.engine.draft_select import DRAFT_SELECT, draft_level, resolve_draft_select  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -25,6 +26,16 @@ def distinct_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tor
     return torch.randn(rows, vocab, generator=g, dtype=dtype)
 
 
+def assert_levels_equal(got, want) -> None:
+    for name, w, g in zip(want._fields, want, got):
+        if w is None:
+            assert g is None, name
+        elif w.is_floating_point():
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(g, w), (name, g, w)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k,vocab,dtype", [(4, 512, torch.float32), (2, 100, torch.float32), (1, 64, torch.float32),
                                            (4, 200, torch.bfloat16), (3, 4096, torch.float32)])
@@ -34,15 +45,46 @@ def test_fused_level_equals_the_torch_ops(device, k, vocab, dtype, root):
     rows = 1 if root else k
     logits = distinct_logits(bs * rows, vocab, dtype, seed=vocab + k).to(device)
     beam = None if root else torch.randn(bs, rows, generator=torch.Generator().manual_seed(k)).to(device)
-    want = draft_level(logits, beam, k, 0.1, 7, fused=False)
     got = draft_level(logits, beam, k, 0.1, 7, fused=True)
-    for name, w, g in zip(want._fields, want, got):
-        if w is None:
-            assert g is None, name
-        elif w.is_floating_point():
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=name)
-        else:
-            assert torch.equal(g, w), (name, g, w)
+    assert_levels_equal(got, draft_level(logits, beam, k, 0.1, 7, fused=False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs,rows,k,vocab", [
+    (1, 1, 4, 4096),   # the root at batch 1 (one row, no padding)
+    (1, 4, 4, 4096),   # a beam level as the medium model runs it at batch 1
+    (1, 3, 3, 300),    # k = 3: 3 rows padded to 4, 9 candidates
+    (2, 5, 2, 128),    # 5 rows padded to 8, more rows than k
+    (4, 2, 3, 1000),   # fewer rows than k; vocabulary not a power of two
+    (3, 7, 1, 64),     # k = 1: one pick per row
+])
+def test_fused_level_equals_the_torch_ops_for_any_rows_and_batch(device, bs, rows, k, vocab):
+    """The kernel's [rows, vocab] tile, rows padded to a power of two: every shape gives the torch
+    path's candidates and next beam, and the padding never shows up among them."""
+    logits = distinct_logits(bs * rows, vocab, torch.float32, seed=bs * 100 + rows * 10 + k).to(device)
+    root = rows == 1
+    beam = None if root else torch.randn(bs, rows, generator=torch.Generator().manual_seed(rows)).to(device)
+    got = draft_level(logits, beam, k, 0.25, 11, fused=True)
+    assert_levels_equal(got, draft_level(logits, beam, k, 0.25, 11, fused=False))
+    assert got.tokens.shape == (bs, rows * k) and bool((got.tokens < vocab).all())
+    if not root:
+        assert bool((got.best < rows * k).all()) and all(len(set(b)) == k for b in got.best.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_equal_candidate_scores_enter_the_beam_lowest_slot_first(device):
+    """Three rows with the same logits and the same score tie pairwise across rows: the beam takes the
+    lowest candidate slot (row r, pick j is slot r * k + j) first, and never a padded row's."""
+    k = 2
+    row = distinct_logits(1, 64, torch.float32, seed=5)
+    logits = row.repeat(3, 1).to(device)
+    got = draft_level(logits, torch.zeros(1, 3, device=device), k, 0.0, 100, fused=True)
+    want = draft_level(logits, torch.zeros(1, 3, device=device), k, 0.0, 100, fused=False)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=1e-5)
+    assert got.best.tolist() == [[0, 2]]  # the top token of rows 0 and 1 (equal scores), lowest slot first
+    assert got.beam_ids.tolist() == [[100, 102]]
+    assert got.beam_tokens.tolist() == [[want.tokens[0, 0].item()] * 2]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,6 +108,29 @@ def test_fused_selection_needs_triton_on_cuda_or_the_interpreter(monkeypatch):
         resolve_draft_select("fused", "cpu")
 
 
+def test_auto_selection_takes_the_kernel_on_cuda(monkeypatch):
+    """``"auto"``: the kernel on CUDA with Triton, the torch ops elsewhere (also under the interpreter,
+    which only ``"fused"`` takes); ``"fused"`` is an error where the kernel cannot run. Only the device's
+    type is read, so no GPU is needed."""
+    assert DRAFT_SELECT[0] == "auto"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_draft_select("auto", "cpu") is False
+    with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
+        resolve_draft_select("fused", "cpu")
+    assert resolve_draft_select("auto", "cuda") is True and resolve_draft_select("fused", "cuda:0") is True
+    assert resolve_draft_select("torch", "cuda") is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_draft_select("auto", "cpu") is False and resolve_draft_select("fused", "cpu") is True
+    monkeypatch.setattr(draft_select, "triton", None)  # Triton not installed
+    assert resolve_draft_select("auto", "cuda") is False and resolve_draft_select("auto", "cpu") is False
+    with pytest.raises(ValueError, match="Triton absent"):
+        resolve_draft_select("fused", "cuda")
+
+
+def test_warps_grow_with_the_tile():
+    assert [draft_select._num_warps(n) for n in (64, 4096, 4097, 16384, 16385, 131072)] == [4, 4, 8, 8, 16, 16]
+
+
 @pytest.mark.interpreter
 def test_speculation_with_fused_selection_is_lossless_and_drafts_as_torch_does():
     """The whole loop in float32 on CPU: with the fused selection speculation and dynamic speculation
@@ -80,6 +145,6 @@ def test_speculation_with_fused_selection_is_lossless_and_drafts_as_torch_does()
     assert runs["fused"]["mean_accept"] == runs["torch"]["mean_accept"], runs
 
 
-def test_spec_config_keeps_the_torch_selection_by_default():
-    assert SpecConfig().draft_select == "torch"
+def test_spec_config_selects_automatically_by_default():
+    assert SpecConfig().draft_select == "auto"
     assert dataclasses.replace(SpecConfig(), draft_select="fused").draft_select == "fused"

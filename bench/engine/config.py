@@ -89,9 +89,12 @@ class SpecConfig:
         draft_layers: layers of the draft model (a noisy copy of the target's first layers).
         draft_noise: relative std of the Gaussian noise added to the draft's copied weights; larger
             noise lowers the acceptance rate.
-        draft_select: how each draft level picks its candidates and next beam: ``"torch"`` ops, or one
+        draft_select: how each draft level picks its candidates and next beam: ``"torch"`` ops, one
             ``"fused"`` Triton kernel per level (:mod:`bench.engine.draft_select`; CUDA, or Triton's
-            interpreter).
+            interpreter; an error elsewhere), or ``"auto"``, the default: the fused kernel on CUDA, the
+            torch ops elsewhere. The same switch covers the tree's selection and the greedy acceptance
+            (:mod:`bench.engine.tree_kernels`). The fused path was measured faster on the H200 (run X in
+            bench/RESULTS.md, C = 1: a speculative step took 2.071 ms with it, 2.289 ms with the torch ops).
     """
 
     topk: int = 4
@@ -99,7 +102,7 @@ class SpecConfig:
     num_draft_tokens: int = 16
     draft_layers: int = 1
     draft_noise: float = 0.05
-    draft_select: str = "torch"
+    draft_select: str = "auto"
 
     def __post_init__(self) -> None:
         candidates = self.topk + (self.steps - 1) * self.topk * self.topk

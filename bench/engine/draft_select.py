@@ -6,12 +6,19 @@ cumulative log-probability plus the token's, minus a depth penalty; the ``k`` be
 candidates are the next beam. In torch that is a log-softmax over the vocabulary, a ``topk`` over it, an
 add, a reshape, a second ``topk`` and three gathers: ~8 launches per level, of which the vocabulary
 ``topk`` alone took 7-24 us on the H200 (run T in bench/RESULTS.md: ~0.15 ms of a 2.27 ms step went to
-top-k and sort kernels). :func:`draft_level` does it in one launch, one program per sequence.
+top-k and sort kernels). :func:`draft_level` does it in one launch, one program per sequence, which
+holds all of the sequence's beam rows at once as one ``[rows, vocab]`` tile (rows padded to a power of
+two, the padding masked to ``-inf`` and never selected): the max, the log-sum-exp and each of the ``k``
+picks are one reduction along the vocabulary for all rows together, so a level is a chain of ``k``
+dependent reductions, not ``rows * k``. (Walking the rows one after another, as the kernel did before,
+took 21.6 us per launch at the beam levels on the H200 for the medium model, vocabulary 4096, ``k`` 4,
+batch 1: run X, measured before this change.)
 
 Ties: the kernel takes the lowest index first among equal values (``torch.topk`` leaves their order
 unspecified), and its log-sum-exp may differ from torch's in the last bits. Either changes at most which
 of two equally likely drafts is proposed; the verify step keeps the output exact whatever the draft.
-The torch function is the CPU path and the test oracle; ``fused=False`` runs it anywhere.
+The torch function is the CPU path and the test oracle; ``fused=False`` runs it anywhere. The default
+selection, ``"auto"``, takes the kernel wherever it can run (:func:`resolve_draft_select`).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ try:
 except ImportError:  # Triton is optional: the torch path serves everywhere
     triton = tl = None
 
-DRAFT_SELECT = ("torch", "fused")
+DRAFT_SELECT = ("auto", "torch", "fused")
 
 
 class Level(NamedTuple):
@@ -42,13 +49,21 @@ class Level(NamedTuple):
 
 
 def resolve_draft_select(name: str, device: torch.device | str) -> bool:
-    """Whether ``name`` (one of :data:`DRAFT_SELECT`) selects the fused kernel on ``device``: CUDA with
-    Triton, or any device under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
+    """Whether ``name`` (one of :data:`DRAFT_SELECT`) selects the fused kernel on ``device``.
+
+    The kernel can run with Triton on a CUDA device, or on any device under Triton's interpreter
+    (``TRITON_INTERPRET=1``, the CPU tests). ``"auto"`` takes it on CUDA, where it is fast, and the torch
+    ops elsewhere (the interpreter runs it several times slower than torch on a CPU); ``"fused"`` takes it
+    wherever it can run and raises :class:`ValueError` elsewhere; ``"torch"`` never takes it.
+    """
     if name not in DRAFT_SELECT:
         raise ValueError(f"draft_select must be one of {DRAFT_SELECT}, got {name!r}")
     if name == "torch":
         return False
-    if triton is None or not (torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    on_cuda = triton is not None and torch.device(device).type == "cuda"
+    if name == "auto":
+        return on_cuda
+    if not (on_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")):
         raise ValueError(f"draft_select='fused' needs Triton and a CUDA device (or TRITON_INTERPRET=1); got "
                          f"{torch.device(device)}, Triton {'absent' if triton is None else 'present'}")
     return True
@@ -75,19 +90,26 @@ def draft_level(logits: torch.Tensor, beam_scores: torch.Tensor | None, k: int, 
     dev = logits.device
     tokens = torch.empty(bs, n, dtype=torch.long, device=dev)
     scores = torch.empty(bs, n, dtype=torch.float32, device=dev)
+    rows_block, block_v = triton.next_power_of_2(rows), triton.next_power_of_2(logits.shape[1])
+    shape = dict(ROWS=rows, K=k, ROWS_BLOCK=rows_block, K_BLOCK=triton.next_power_of_2(k), BLOCK_V=block_v,
+                 num_warps=_num_warps(rows_block * block_v))
     if beam_scores is None:
         _level_kernel[(bs,)](logits, logits, tokens, scores, tokens, tokens, scores, tokens, logits.shape[1],
-                             logits.stride(0), penalty, offset, ROWS=1, K=k, NC=triton.next_power_of_2(n),
-                             BLOCK_V=triton.next_power_of_2(logits.shape[1]), HAS_BEAM=False)
+                             logits.stride(0), penalty, offset, HAS_BEAM=False, **shape)
         return Level(tokens, scores, tokens, scores, None, None)
     beam_scores = beam_scores.float().contiguous()
     best = torch.empty(bs, k, dtype=torch.long, device=dev)
     beam_tokens, beam_ids = torch.empty_like(best), torch.empty_like(best)
     beam_out = torch.empty(bs, k, dtype=torch.float32, device=dev)
     _level_kernel[(bs,)](logits, beam_scores, tokens, scores, best, beam_tokens, beam_out, beam_ids,
-                         logits.shape[1], logits.stride(0), penalty, offset, ROWS=rows, K=k,
-                         NC=triton.next_power_of_2(n), BLOCK_V=triton.next_power_of_2(logits.shape[1]), HAS_BEAM=True)
+                         logits.shape[1], logits.stride(0), penalty, offset, HAS_BEAM=True, **shape)
     return Level(tokens, scores, beam_tokens, beam_out, beam_ids, best)
+
+
+def _num_warps(elements: int) -> int:
+    """Warps for a program holding ``elements`` values of the ``[ROWS_BLOCK, BLOCK_V]`` tile: enough
+    threads that each keeps a few dozen of them in registers, up to 16 warps (512 threads)."""
+    return 4 if elements <= 4096 else 8 if elements <= 16384 else 16
 
 
 def _torch_level(logits: torch.Tensor, beam_scores: torch.Tensor | None, k: int, penalty: float, offset: int,
@@ -106,37 +128,50 @@ if triton is not None:
     @triton.jit
     def _level_kernel(logits_ptr, beam_ptr, tokens_ptr, scores_ptr, best_ptr, beam_tok_ptr, beam_score_ptr,
                       beam_id_ptr, vocab, stride_row, penalty, offset, ROWS: tl.constexpr, K: tl.constexpr,
-                      NC: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BEAM: tl.constexpr):
+                      ROWS_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+                      HAS_BEAM: tl.constexpr):
+        # One program per sequence; its ROWS beam rows are one [ROWS_BLOCK, BLOCK_V] tile, and every
+        # reduction runs along the vocabulary (axis 1) for all rows at once.
         b = tl.program_id(0).to(tl.int64)
+        rows = tl.arange(0, ROWS_BLOCK)
         cols = tl.arange(0, BLOCK_V)
-        slots = tl.arange(0, NC)
-        cand_score = tl.full([NC], float("-inf"), tl.float32)
-        cand_tok = tl.zeros([NC], dtype=tl.int64)
-        for r in tl.static_range(ROWS):
-            x = tl.load(logits_ptr + (b * ROWS + r) * stride_row + cols, mask=cols < vocab,
-                        other=float("-inf")).to(tl.float32)
-            top = tl.max(x, axis=0)
-            log_sum = tl.log(tl.sum(tl.exp(x - top), axis=0))
-            base = 0.0
-            if HAS_BEAM:
-                base = tl.load(beam_ptr + b * ROWS + r)
-            for j in tl.static_range(K):
-                # One reduction for the value and its index (the lowest index among equal values).
-                value, best_col = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                log_p = (value - top) - log_sum  # torch's order: (x - max) - log(sum)
-                cand_score = tl.where(slots == r * K + j, (base + log_p) - penalty, cand_score)
-                cand_tok = tl.where(slots == r * K + j, best_col.to(tl.int64), cand_tok)
-                x = tl.where(cols == best_col, float("-inf"), x)
+        picks = tl.arange(0, K_BLOCK)
+        row_ok = rows < ROWS
+        # Padded rows and columns load as -inf. A padded row's max and sum are set to 0 and 1, so that its
+        # log-probabilities come out -inf rather than NaN (-inf - -inf); they are never kept anyway.
+        x = tl.load(logits_ptr + (b * ROWS + rows)[:, None] * stride_row + cols[None, :],
+                    mask=row_ok[:, None] & (cols < vocab)[None, :], other=float("-inf")).to(tl.float32)
+        top = tl.where(row_ok, tl.max(x, axis=1), 0.0)
+        log_sum = tl.log(tl.where(row_ok, tl.sum(tl.exp(x - top[:, None]), axis=1), 1.0))
+        if HAS_BEAM:
+            base = tl.load(beam_ptr + b * ROWS + rows, mask=row_ok, other=0.0)
+        else:
+            base = tl.zeros([ROWS_BLOCK], dtype=tl.float32)
+        # The candidates as a [ROWS_BLOCK, K_BLOCK] tile: row r's pick j is candidate slot r * K + j.
+        slot = rows[:, None] * K + picks[None, :]
+        valid = row_ok[:, None] & (picks < K)[None, :]
+        cand_score = tl.full([ROWS_BLOCK, K_BLOCK], float("-inf"), tl.float32)
+        cand_tok = tl.zeros([ROWS_BLOCK, K_BLOCK], dtype=tl.int64)
+        for j in tl.static_range(K):
+            # One reduction per row for the value and its column (the lowest column among equal values).
+            value, best_col = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            log_p = (value - top) - log_sum  # torch's order: (x - max) - log(sum)
+            cand_score = tl.where(picks[None, :] == j, ((base + log_p) - penalty)[:, None], cand_score)
+            cand_tok = tl.where(picks[None, :] == j, best_col.to(tl.int64)[:, None], cand_tok)
+            x = tl.where(cols[None, :] == best_col[:, None], float("-inf"), x)
         n = ROWS * K
-        tl.store(tokens_ptr + b * n + slots, cand_tok, mask=slots < n)
-        tl.store(scores_ptr + b * n + slots, cand_score, mask=slots < n)
+        tl.store(tokens_ptr + b * n + slot, cand_tok, mask=valid)
+        tl.store(scores_ptr + b * n + slot, cand_score, mask=valid)
         if HAS_BEAM:  # the next beam: the K best of this level's candidates, best first
-            left = cand_score
+            free = valid  # candidates not yet in the beam (padding never is one)
             for j in tl.static_range(K):
-                pick = tl.argmax(left, axis=0)
-                chosen = slots == pick
+                left = tl.where(free, cand_score, float("-inf"))
+                best_score = tl.max(tl.max(left, axis=1), axis=0)
+                # The lowest slot among equal scores, as an argmax over the slots in order would take.
+                pick = tl.min(tl.min(tl.where(free & (left == best_score), slot, n), axis=1), axis=0)
+                chosen = slot == pick
                 tl.store(best_ptr + b * K + j, pick.to(tl.int64))
-                tl.store(beam_tok_ptr + b * K + j, tl.sum(tl.where(chosen, cand_tok, 0), axis=0))
-                tl.store(beam_score_ptr + b * K + j, tl.max(tl.where(chosen, cand_score, float("-inf")), axis=0))
+                tl.store(beam_tok_ptr + b * K + j, tl.sum(tl.sum(tl.where(chosen, cand_tok, 0), axis=1), axis=0))
+                tl.store(beam_score_ptr + b * K + j, best_score)
                 tl.store(beam_id_ptr + b * K + j, offset + pick.to(tl.int64))
-                left = tl.where(chosen, float("-inf"), left)
+                free = free & (slot != pick)

@@ -46,7 +46,7 @@ log = logging.getLogger("profile_step")
 
 CATEGORIES = [  # first match wins
     ("staging", re.compile(r"_stage_kernel")),
-    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level|embed_rmsnorm|argmax_rows|select|accept)_kernel")),
+    ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level|embed_rmsnorm|argmax_rows|select|accept|rope_q_store_kv)_kernel")),
     ("attention", re.compile(r"flashinfer|BatchPrefill|BatchDecode|PrefillWith|DecodeWith|MergeStates|fmha|flash|"
                              r"attention|efficient", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),

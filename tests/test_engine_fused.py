@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from bench.engine import fused
+from bench.engine.attention import TorchLayouts
 from bench.engine.config import ModelConfig
+from bench.engine.fi_attention import FlashInferLayouts
+from bench.engine.kv_cache import KVCache, ReqToTokenPool, SlotAllocator
 from bench.engine.model import build_target, resolve_kernels
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs Triton")
@@ -140,6 +143,169 @@ def test_store_kv_writes_the_slots_from_strided_rows():
     fused.store_kv(k, v, slots, caches[2], caches[3], fused=False)
     torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_rope_q_store_kv_matches_rope_qk_then_store_kv(dtype):
+    """The fused launch writes what rope_qk then store_kv write: q, and the cache rows at the slots (any
+    order, slot 0 included, the other rows untouched). qkv is a row-strided view (a slice of wider rows), so
+    the torch path's v is a strided view of it; positions a broadcast view; slots a strided view."""
+    torch.manual_seed(7)
+    heads, kvh, dim, n, num_slots = 4, 2, 16, 6, 16
+    width = (heads + 2 * kvh) * dim
+    qkv = torch.randn(n, width + 24, device=DEVICE).to(dtype)[:, :width]
+    assert qkv.stride(0) == width + 24
+    model = build_target(ModelConfig.tiny(), device=DEVICE, kernels="torch")
+    cos, sin = model.rope_cos, model.rope_sin
+    k_cache = torch.randn(num_slots, kvh, dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_slots, kvh, dim, device=DEVICE).to(dtype)
+    v = qkv[:, (heads + kvh) * dim:].view(n, kvh, dim)
+    for pos, slots in ((torch.tensor([0, 3, 7, 100, 4000, 1], device=DEVICE),
+                        torch.tensor([9, 2, 14, 0, 5, 11], device=DEVICE)),
+                       (torch.tensor([37], device=DEVICE).expand(n),
+                        torch.tensor([3, 15, 1, 8, 6, 12, 4, 10, 13, 7, 2, 0], device=DEVICE)[::2])):
+        caches = [c.clone() for c in (k_cache, v_cache) for _ in range(3)]  # k: 0, 1, 2; v: 3, 4, 5
+        q = fused.rope_q_store_kv(qkv, pos, cos, sin, slots, caches[0], caches[3], heads, kvh, dim, fused=True)
+        assert q.shape == (n, heads, dim) and q.dtype == dtype and q.is_contiguous()
+        # The two fused launches it replaces: bit for bit (the same rotary code, the same stores).
+        q1, k1 = fused.rope_qk(qkv, pos, cos, sin, heads, kvh, dim, fused=True)
+        fused.store_kv(k1, v, slots.contiguous(), caches[1], caches[4], fused=True)
+        assert torch.equal(q, q1) and torch.equal(caches[0], caches[1]) and torch.equal(caches[3], caches[4])
+        # The torch code (rope_q_store_kv's own torch path is rope_qk then store_kv, fused=False).
+        q2 = fused.rope_q_store_kv(qkv, pos.contiguous(), cos, sin, slots, caches[2], caches[5], heads, kvh, dim,
+                                   fused=False)
+        q0, k0 = fused.rope_qk(qkv, pos.contiguous(), cos, sin, heads, kvh, dim, fused=False)
+        assert torch.equal(q2, q0)
+        torch.testing.assert_close(q, q0, **_tol(dtype))
+        torch.testing.assert_close(caches[0], caches[2], **_tol(dtype))
+        torch.testing.assert_close(caches[3], caches[5], rtol=0, atol=0)  # the values, copied
+        torch.testing.assert_close(caches[0][slots], k0, **_tol(dtype))
+        assert torch.equal(caches[3][slots], v)
+        untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+        untouched[slots] = False
+        assert torch.equal(caches[0][untouched], k_cache[untouched])
+        assert torch.equal(caches[3][untouched], v_cache[untouched])
+
+
+def test_rope_q_store_kv_checks_its_arguments():
+    heads, kvh, dim, n = 4, 2, 16, 3
+    model = build_target(ModelConfig.tiny(), device=DEVICE, kernels="torch")
+    qkv = torch.randn(n, (heads + 2 * kvh) * dim, device=DEVICE)
+    pos, slots = torch.arange(n, device=DEVICE), torch.tensor([4, 1, 2], device=DEVICE)
+    cache = torch.zeros(8, kvh, dim, device=DEVICE)
+    args = (model.rope_cos, model.rope_sin)
+    with pytest.raises(ValueError, match="slots must be"):
+        fused.rope_q_store_kv(qkv, pos, *args, slots[:2], cache, cache.clone(), heads, kvh, dim, fused=True)
+    with pytest.raises(ValueError, match="v_cache must be a contiguous"):
+        fused.rope_q_store_kv(qkv, pos, *args, slots, cache, cache.half(), heads, kvh, dim, fused=True)
+    with pytest.raises(ValueError, match="k_cache must be a contiguous"):
+        fused.rope_q_store_kv(qkv, pos, *args, slots, cache.transpose(1, 2), cache, heads, kvh, dim, fused=True)
+    with pytest.raises(ValueError, match="qkv must be"):
+        fused.rope_q_store_kv(qkv[:, :-dim], pos, *args, slots, cache, cache.clone(), heads, kvh, dim, fused=True)
+
+
+def _slot_table(rows, ctx, seed):
+    """A ``req_to_token`` table of ``rows`` real rows whose slots are shuffled (as after verify steps)."""
+    alloc = SlotAllocator(1 + rows * ctx)
+    table = ReqToTokenPool(rows, ctx, alloc, "cpu").req_to_token
+    gen = torch.Generator().manual_seed(seed)
+    for r in range(1, rows + 1):
+        table[r] = table[r][torch.randperm(ctx, generator=gen)]
+    return table.to(DEVICE), alloc.num_slots
+
+
+class _Recorder:
+    """Forwards to an attention callable and records whether each call got k; exposes the callable's
+    ``kv_sink`` only where ``sink`` (without it, the model must take the store-in-callable path)."""
+
+    def __init__(self, inner, sink):
+        self.inner, self.got_k = inner, []
+        if sink:
+            self.kv_sink = inner.kv_sink
+
+    def __call__(self, layer_id, q, k, v):
+        self.got_k.append(k is not None)
+        return self.inner(layer_id, q, k, v)
+
+
+@pytest.mark.parametrize("attention", ["flashinfer-reference", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_forward_kv_sink_matches_store_in_callable(attention, dtype):
+    """A fused model over an attention with kv_sink (one launch ropes q and k and writes k and v into the
+    cache; the callable gets k = v = None) against the same model and attention without the sink (rope_qk,
+    then the callable stores k and v): prefill, decode and a tree step over the cache those wrote, equal
+    outputs and caches, bit for bit."""
+    cfg = ModelConfig.tiny()
+    model = build_target(cfg, seed=7, device=DEVICE, dtype=dtype)
+    model.fused = True
+    bs, prompt, tree = 2, 6, 3
+    table, num_slots = _slot_table(bs + 1, 24, seed=8)
+    rows = torch.tensor([3, 1], device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, cfg.vocab_size, (bs * (prompt + 1 + tree),), generator=gen).to(DEVICE).split(
+        [bs * prompt, bs, bs * tree])
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=DEVICE).expand(bs, 3, 3)
+    depth = torch.tensor([0, 1, 1], device=DEVICE)
+    results = []
+    for sink in (True, False):
+        if attention == "torch":
+            layouts = TorchLayouts(table, cfg.num_heads // cfg.num_kv_heads)
+        else:
+            layouts = FlashInferLayouts(table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, kernel="reference",
+                                        triton=True)
+        cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, DEVICE)
+        attn = _Recorder(layouts.attention(cache), sink)
+        outs = []
+        attn.inner.meta = layouts.causal(rows, torch.zeros_like(rows), prompt)
+        outs.append(model(ids[0], torch.arange(prompt, device=DEVICE).repeat(bs), attn))
+        attn.inner.meta = layouts.causal(rows, torch.full_like(rows, prompt), 1)
+        outs.append(model(ids[1], torch.full((bs,), prompt, device=DEVICE), attn))
+        attn.inner.meta = layouts.tree(rows, torch.full_like(rows, prompt + 1), tree_mask)
+        outs.append(model(ids[2], (prompt + 1 + depth).repeat(bs), attn))
+        assert attn.got_k == [not sink] * (3 * cfg.num_layers)
+        results.append((outs, cache))
+    (got, got_cache), (want, want_cache) = results
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for layer in range(cfg.num_layers):
+        torch.testing.assert_close(got_cache.k[layer], want_cache.k[layer], rtol=0, atol=0)
+        torch.testing.assert_close(got_cache.v[layer], want_cache.v[layer], rtol=0, atol=0)
+    assert got_cache.k[0].abs().sum() > 0  # the forwards did write the cache
+    # The torch model path ignores kv_sink: the callable gets tensors.
+    model.fused = False
+    attn = _Recorder(layouts.attention(KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                               DEVICE)), sink=True)
+    attn.inner.meta = layouts.causal(rows, torch.zeros_like(rows), prompt)
+    torch.testing.assert_close(model(ids[0], torch.arange(prompt, device=DEVICE).repeat(bs), attn), got[0],
+                               **_tol(dtype))
+    assert attn.got_k == [True] * cfg.num_layers
+
+
+@pytest.mark.parametrize("attention", ["flashinfer-reference", "torch"])
+def test_kv_sink_errors(attention):
+    cfg = ModelConfig.tiny()
+    table, num_slots = _slot_table(2, 8, seed=1)
+    if attention == "torch":
+        layouts = TorchLayouts(table, cfg.num_heads // cfg.num_kv_heads)
+    else:
+        layouts = FlashInferLayouts(table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                                    kernel="reference", triton=True)
+    cache = KVCache(1, num_slots, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEVICE)
+    attn = layouts.attention(cache)
+    with pytest.raises(RuntimeError, match="meta is unset"):
+        attn.kv_sink(0)
+    rows = torch.tensor([1, 2], device=DEVICE)
+    attn.meta = layouts.causal(rows, torch.tensor([3, 5], device=DEVICE), 1)
+    slots, k_cache, v_cache = attn.kv_sink(0)
+    assert torch.equal(slots, table[rows, torch.tensor([3, 5], device=DEVICE)])
+    assert k_cache is cache.k[0] and v_cache is cache.v[0]
+    q = torch.randn(2, cfg.num_heads, cfg.head_dim, device=DEVICE)
+    kv = torch.randn(2, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
+    with pytest.raises(ValueError, match="both None"):
+        attn(0, q, kv, None)
+    with pytest.raises(ValueError, match="both None"):
+        attn(0, q, None, kv)
+    assert attn(0, q, None, None).shape == (2, cfg.num_heads * cfg.head_dim)
 
 
 def test_resolve_kernels():

@@ -9,9 +9,10 @@ One formulation covers every step shape. A step carries ``T`` new tokens per seq
 * **extra** slots ``[bs, E]`` (usually the new tokens themselves) under an explicit ``[bs, T, E]`` mask:
   causal for prefill, ancestor-or-self for a draft tree, ``[[True]]`` for decode.
 
-Each layer first writes the new tokens' K and V into their ``write_slots``, then gathers prefix and extra
-slots in one index and runs ``scaled_dot_product_attention`` with the boolean mask. Everything the layers
-need is computed once per step in :class:`AttnMeta`.
+Each layer first writes the new tokens' K and V into their ``write_slots`` (or the model has, through
+:meth:`PagedAttention.kv_sink`), then gathers prefix and extra slots in one index and runs
+``scaled_dot_product_attention`` with the boolean mask. Everything the layers need is computed once per
+step in :class:`AttnMeta`.
 """
 from __future__ import annotations
 
@@ -131,19 +132,34 @@ class PagedAttention:
     """The attention callable for :class:`~bench.engine.model.LlamaModel` over a :class:`KVCache`.
 
     Set :attr:`meta` before each forward. Graph-safe: fixed shapes per (bs, T), no host syncs.
+
+    It has the model's optional :meth:`kv_sink`: a model running fused kernels then writes K and V into
+    the slots itself, in its rotary kernel, and calls with ``k = v = None`` (one launch per layer fewer).
     """
 
     def __init__(self, cache: KVCache, meta: AttnMeta | None = None):
         self.cache = cache
         self.meta = meta
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
-        if meta is None:
+    def _meta(self) -> AttnMeta:
+        if self.meta is None:
             raise RuntimeError("PagedAttention.meta is unset: build an AttnMeta for the step before the forward")
+        return self.meta
+
+    def kv_sink(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(write_slots, k_cache, v_cache)``: the current meta's slots of this forward's new tokens and
+        layer ``layer_id``'s cache tensors (see :class:`bench.engine.model.AttentionFn`)."""
+        return self._meta().write_slots, self.cache.k[layer_id], self.cache.v[layer_id]
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        meta = self._meta()
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
-        k_cache.index_copy_(0, meta.write_slots, k)
-        v_cache.index_copy_(0, meta.write_slots, v)
+        if k is not None and v is not None:
+            k_cache.index_copy_(0, meta.write_slots, k)
+            v_cache.index_copy_(0, meta.write_slots, v)
+        elif k is not None or v is not None:
+            raise ValueError("PagedAttention takes k and v both as tensors, or both None (already written into "
+                             "the cache through kv_sink), not one of each")
         return attend(q, k_cache[meta.gather_idx], v_cache[meta.gather_idx], meta)
 
 

@@ -11,6 +11,11 @@ the step time. These Triton kernels do each of those pieces in one launch:
   looked up in the float32 cos/sin tables.
 * :func:`silu_mul`: ``silu(gate) * up`` of a fused gate/up projection.
 * :func:`store_kv`: write the step's keys and values into their KV-cache slots.
+* :func:`rope_q_store_kv`: :func:`rope_qk` and :func:`store_kv` in one launch: the rotated query heads
+  to ``q``, the rotated key heads and the value heads straight into their cache slots (no key tensor).
+  The model runs it where the attention callable exposes ``kv_sink`` (see
+  :class:`bench.engine.model.AttentionFn`): one launch per layer fewer, and a decode step is partly
+  bound by its kernel count (each of these small kernels costs ~2 us plus a launch gap on an H200).
 
 Two more replace torch kernels that a profile of the speculative step showed slow for what they do
 (medium model, bs 1, on an H200, run X, measured before these kernels existed):
@@ -89,29 +94,64 @@ if triton is not None:
         tl.store(out_ptr + tok * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_pos,
-                        NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
+    def _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_HEADS: tl.constexpr,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The rotary embedding of the first ``NUM_HEADS`` heads of token ``tok``'s qkv row (the query heads
+        then the key heads), each half rounded to qkv's dtype as the torch code rounds. Returns ``head``
+        (``[BLOCK_H, 1]`` head indices; rows ``>= NUM_HEADS`` are masked, 0), ``j`` (``[HALF]``) and the
+        rotated halves ``o1``, ``o2`` (``[BLOCK_H, HALF]``)."""
         pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
         j = tl.arange(0, HALF)
         c = tl.load(cos_ptr + pos * HALF + j)[None, :]
         s = tl.load(sin_ptr + pos * HALF + j)[None, :]
-        head = tl.arange(0, BLOCK_H)[:, None]  # query heads, then key heads: both lead the qkv row
-        valid = head < NUM_Q + NUM_K
+        head = tl.arange(0, BLOCK_H)[:, None]
+        valid = head < NUM_HEADS
         src = qkv_ptr + tok * stride_qkv + head * (2 * HALF) + j[None, :]
         x1 = tl.load(src, mask=valid, other=0.0)
         x2 = tl.load(src + HALF, mask=valid, other=0.0)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (a * c - b * s).to(x1.dtype)
         o2 = (b * c + a * s).to(x1.dtype)
+        return head, j, o1, o2
+
+    @triton.jit
+    def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_pos,
+                        NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        # query heads, then key heads: both lead the qkv row
+        head, j, o1, o2 = _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_Q + NUM_K,
+                                      HALF, BLOCK_H)
         is_q = head < NUM_Q
         q_dst = q_ptr + (tok * NUM_Q + head) * (2 * HALF) + j[None, :]
         tl.store(q_dst, o1, mask=is_q)
         tl.store(q_dst + HALF, o2, mask=is_q)
-        is_k = valid & (head >= NUM_Q)
+        is_k = (head < NUM_Q + NUM_K) & (head >= NUM_Q)
         k_dst = k_ptr + (tok * NUM_K + head - NUM_Q) * (2 * HALF) + j[None, :]
         tl.store(k_dst, o1, mask=is_k)
         tl.store(k_dst + HALF, o2, mask=is_k)
+
+    @triton.jit
+    def _rope_q_store_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                                stride_qkv, stride_pos, stride_slot, NUM_Q: tl.constexpr, NUM_K: tl.constexpr,
+                                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        head, j, o1, o2 = _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_Q + NUM_K,
+                                      HALF, BLOCK_H)
+        is_q = head < NUM_Q
+        q_dst = q_ptr + (tok * NUM_Q + head) * (2 * HALF) + j[None, :]
+        tl.store(q_dst, o1, mask=is_q)
+        tl.store(q_dst + HALF, o2, mask=is_q)
+        # The rotated keys and the value heads go straight to the token's cache row (caches [slots, NUM_K, D]).
+        row = tl.load(slot_ptr + tok * stride_slot).to(tl.int64) * (NUM_K * 2 * HALF)
+        is_k = (head < NUM_Q + NUM_K) & (head >= NUM_Q)
+        k_dst = k_cache_ptr + row + (head - NUM_Q) * (2 * HALF) + j[None, :]
+        tl.store(k_dst, o1, mask=is_k)
+        tl.store(k_dst + HALF, o2, mask=is_k)
+        vh = tl.arange(0, BLOCK_K)[:, None]
+        d = tl.arange(0, 2 * HALF)[None, :]
+        is_v = vh < NUM_K
+        v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_Q + NUM_K + vh) * (2 * HALF) + d, mask=is_v)
+        tl.store(v_cache_ptr + row + vh * (2 * HALF) + d, v, mask=is_v)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
@@ -284,6 +324,51 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
     width = kvh * dim
     _store_kv_kernel[(n,)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), WIDTH=width,
                            BLOCK=triton.next_power_of_2(width), num_warps=4)
+
+
+def rope_q_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, head_dim: int, fused: bool) -> torch.Tensor:
+    """:func:`rope_qk` of ``qkv [N, (H + 2 KVH) * D]``, then :func:`store_kv` of the rotated keys and of
+    qkv's value heads at ``slots``; fused, one launch writes the keys and values straight into the cache
+    (no key tensor, no second launch), with the same roundings.
+
+    Args:
+        positions: ``[N]`` int64 positions (may be a broadcast view); ``cos``, ``sin``: the float32 tables.
+        slots: ``[N]`` cache slots of the N tokens (any order; any stride).
+        k_cache, v_cache: ``[num_slots, KVH, D]`` contiguous, in qkv's dtype.
+        fused: one Triton launch (CUDA) or the torch code (:func:`rope_qk` then :func:`store_kv`).
+    Returns:
+        ``q [N, H, D]`` (contiguous, in qkv's dtype).
+    """
+    n = qkv.shape[0]
+    if slots.dim() != 1 or slots.shape[0] != n:
+        raise ValueError(f"slots must be [{n}] (one per qkv row), got shape {tuple(slots.shape)}")
+    if not fused:
+        q, k = rope_qk(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, fused=False)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(n, num_kv_heads, head_dim)
+        store_kv(k, v, slots, k_cache, v_cache, fused=False)
+        return q
+    if positions.dim() != 1 or positions.shape[0] != n:
+        raise ValueError(f"positions must be [{n}] (one per qkv row), got {tuple(positions.shape)}")
+    _rows_contiguous(qkv, "qkv")
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv must be [N, (H + 2 KVH) * D] = [N, {(num_heads + 2 * num_kv_heads) * head_dim}], "
+                         f"got {tuple(qkv.shape)}")
+    half = head_dim // 2
+    if half & (half - 1):
+        raise ValueError(f"the fused rotary kernel needs head_dim / 2 to be a power of two, got head_dim {head_dim}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (num_kv_heads, head_dim) or not cache.is_contiguous() \
+                or cache.dtype != qkv.dtype:
+            raise ValueError(f"{name} must be a contiguous [num_slots, {num_kv_heads}, {head_dim}] {qkv.dtype} tensor, "
+                             f"got {cache.dtype} shape {tuple(cache.shape)} strides {cache.stride()}")
+    q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_q_store_kv_kernel[(n,)](qkv, positions, cos, sin, slots, q, k_cache, v_cache, qkv.stride(0),
+                                  positions.stride(0), slots.stride(0), NUM_Q=num_heads, NUM_K=num_kv_heads,
+                                  HALF=half, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
+                                  BLOCK_K=triton.next_power_of_2(num_kv_heads), num_warps=4)
+    return q
 
 
 ARGMAX_BLOCK = 4096  # columns a program of argmax_rows reads at a time; wider rows loop over blocks

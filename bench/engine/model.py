@@ -8,10 +8,20 @@ That keeps the model reusable by any harness (the SGLang test harness wraps its 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         out: [num_tokens, num_heads * head_dim]
 
-:class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation. Norms, rotary
-embeddings, SwiGLU, the embedding lookup (with the first norm) and the greedy argmax run as fused Triton
-kernels where ``model.fused`` (CUDA; :mod:`bench.engine.fused`), as plain torch elsewhere; ``v`` reaches the
-attention as a view into the qkv projection (rows strided).
+    attn.kv_sink(layer_id) -> (write_slots, k_cache, v_cache)    # optional
+        write_slots: [num_tokens] slots of this forward's new tokens
+        k_cache, v_cache: that layer's [num_slots, num_kv_heads, head_dim] cache tensors
+
+A callable that stores the new keys and values into a slot cache may expose ``kv_sink``. Where the model
+runs fused kernels and the callable has it, each layer ropes q and k and writes k and v into those slots in
+one Triton launch (:func:`bench.engine.fused.rope_q_store_kv`), then calls ``attn(layer_id, q, None, None)``:
+k and v are already in the cache. That saves the callable's own store launch, one launch per layer (a
+decode step is partly bound by its kernel count). A callable without ``kv_sink`` (or the torch path)
+always gets tensors. :class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation;
+it and :class:`bench.engine.fi_attention.FlashInferAttention` have ``kv_sink``. Norms, rotary embeddings,
+SwiGLU, the embedding lookup (with the first norm) and the greedy argmax run as fused Triton kernels where
+``model.fused`` (CUDA; :mod:`bench.engine.fused`), as plain torch elsewhere; ``v`` reaches the attention as
+a view into the qkv projection (rows strided).
 """
 from __future__ import annotations
 
@@ -21,14 +31,21 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .fused import (add_rmsnorm, argmax_rows, embed_rmsnorm, fused_available, rmsnorm_reference, rope_qk,
-                    silu_mul, stats_dtype)
+from .fused import (add_rmsnorm, argmax_rows, embed_rmsnorm, fused_available, rmsnorm_reference, rope_q_store_kv,
+                    rope_qk, silu_mul, stats_dtype)
 
 
 class AttentionFn(Protocol):
-    """What :meth:`LlamaModel.forward` calls once per layer (see the module docstring)."""
+    """What :meth:`LlamaModel.forward` calls once per layer (see the module docstring).
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    ``k`` and ``v`` are ``None`` only for a callable that also has the optional method
+    ``kv_sink(layer_id) -> (write_slots, k_cache, v_cache)`` (not part of this protocol's required
+    surface): then the model has already written the layer's new keys and values into ``k_cache`` and
+    ``v_cache`` at ``write_slots`` (fused kernels only; it saves the callable's store launch, one per layer).
+    """
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -83,10 +100,16 @@ class DecoderLayer(nn.Module):
         else:
             raise ValueError("pass delta (added to h, then normed) or normed (the first layer's), not both")
         qkv = self.qkv_proj(x)
-        q, k = rope_qk(qkv, positions, *rope, self.num_heads, self.num_kv_heads, self.head_dim, fused)
-        v = qkv[:, kv_start:].view(n, self.num_kv_heads, self.head_dim)
-        x, h = add_rmsnorm(self.o_proj(attn(self.layer_id, q, k, v)), h, self.post_norm.weight, self.post_norm.eps,
-                           fused)
+        sink = getattr(attn, "kv_sink", None) if fused else None
+        if sink is not None:  # k and v go straight into the callable's cache: one launch, no store in attn
+            q = rope_q_store_kv(qkv, positions, *rope, *sink(self.layer_id), self.num_heads, self.num_kv_heads,
+                                self.head_dim, fused)
+            out = attn(self.layer_id, q, None, None)
+        else:
+            q, k = rope_qk(qkv, positions, *rope, self.num_heads, self.num_kv_heads, self.head_dim, fused)
+            v = qkv[:, kv_start:].view(n, self.num_kv_heads, self.head_dim)
+            out = attn(self.layer_id, q, k, v)
+        x, h = add_rmsnorm(self.o_proj(out), h, self.post_norm.weight, self.post_norm.eps, fused)
         return h, self.down_proj(silu_mul(self.gate_up_proj(x), fused))
 
 
@@ -117,7 +140,8 @@ class LlamaModel(nn.Module):
         Args:
             input_ids: ``[num_tokens]`` int64 token ids.
             positions: ``[num_tokens]`` int64 positions (rotary embedding index).
-            attn: the attention callable; it sees every layer's q, k, v and owns the KV cache.
+            attn: the attention callable; it sees every layer's q, k, v and owns the KV cache (with
+                fused kernels and ``attn.kv_sink``, the model writes k and v into it; see the module docstring).
         """
         rope, first = (self.rope_cos, self.rope_sin), self.layers[0]
         # The lookup and the first layer's input norm in one kernel (fused) or as embedding then the norm.

@@ -102,6 +102,24 @@ def test_argmax_rows_ties_across_blocks(dtype):
     assert torch.equal(fused.argmax_rows(x, fused=True), want)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_argmax_rows_commits_each_token_to_its_table_cell(use_kernel):
+    """``commit``: each row's token lands in ``table[rows[i], cols[i]]`` (a decode step's commit), every other
+    cell untouched; the returned tokens are the argmax either way; bad commit arguments are refused."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 300, generator=gen).to(DEVICE)
+    table = torch.full((5, 7), -1, dtype=torch.int64, device=DEVICE)
+    rows, cols = torch.tensor([4, 0, 2], device=DEVICE), torch.tensor([6, 1, 3], device=DEVICE)
+    got = fused.argmax_rows(x, fused=use_kernel, commit=(table, rows, cols))
+    want = x.argmax(-1)
+    assert torch.equal(got, want)
+    expected = torch.full_like(table, -1)
+    expected[rows, cols] = want
+    assert torch.equal(table, expected)
+    with pytest.raises(ValueError, match="commit must be"):
+        fused.argmax_rows(x, fused=use_kernel, commit=(table, rows[:2], cols[:2]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_qk_matches_torch(dtype):
     torch.manual_seed(1)

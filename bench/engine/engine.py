@@ -149,9 +149,7 @@ class Engine:
         last = seq_lens - 1
         self.target_attn.meta = self.layouts.causal(rows, last, 1)
         hidden = self.target(self.token_table[rows, last], last, self.target_attn)
-        nxt = self.target.greedy(hidden)
-        self.token_table[rows, seq_lens] = nxt
-        return nxt
+        return self.target.greedy(hidden, commit=(self.token_table, rows, seq_lens))  # token_table[row, n] = next
 
     def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``.

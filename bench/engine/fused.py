@@ -175,7 +175,8 @@ if triton is not None:
         tl.store(v_cache_ptr + slot * WIDTH + cols, tl.load(v_ptr + tok * stride_v + cols, mask=inside), mask=inside)
 
     @triton.jit
-    def _argmax_rows_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    def _argmax_rows_kernel(x_ptr, out_ptr, stride_x, n_cols, table_ptr, rows_ptr, cols_ptr, stride_table,
+                            BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, COMMIT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         # Each lane keeps the largest value it has seen and its column; a strict ">" keeps the earlier
@@ -192,6 +193,9 @@ if triton is not None:
         # The lowest column among the lanes holding the maximum (an all -inf row: every lane, column 0).
         first = tl.min(tl.where(best == top, best_col, n_cols), axis=0)
         tl.store(out_ptr + row, first.to(tl.int64))
+        if COMMIT:  # also table[rows[row], cols[row]] = the token (a decode step's commit, no extra launch)
+            dest = tl.load(rows_ptr + row) * stride_table + tl.load(cols_ptr + row)
+            tl.store(table_ptr + dest, first.to(tl.int64))
 
 
 def _rows_contiguous(t: torch.Tensor, name: str) -> None:
@@ -374,22 +378,40 @@ def rope_q_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
 ARGMAX_BLOCK = 4096  # columns a program of argmax_rows reads at a time; wider rows loop over blocks
 
 
-def argmax_rows(x: torch.Tensor, fused: bool) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, fused: bool,
+                commit: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` of ``x [rows, n]`` (float32 or a 16-bit float): int64 ``[rows]``, the lowest column
     among equal maxima (torch's rule), values compared in float32 (an exact upcast).
 
     One program per row. NaNs are skipped on the fused path (torch would pick a NaN's column).
+    ``commit = (table, table_rows, table_cols)`` also writes ``table[table_rows[i], table_cols[i]]`` = row
+    i's token (int64 table, int64 ``[rows]`` indices), in the same launch on the fused path: a decode step
+    commits its tokens without an indexed-write kernel of its own.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be two-dimensional [rows, n], got shape {tuple(x.shape)}")
+    if commit is not None:
+        table, table_rows, table_cols = commit
+        if (table.dim() != 2 or table.dtype != torch.int64 or table.stride(1) != 1
+                or any(t.shape != (x.shape[0],) or t.dtype != torch.int64 for t in (table_rows, table_cols))):
+            raise ValueError(f"commit must be (int64 [R, C] table with unit column stride, int64 [{x.shape[0]}] rows, "
+                             f"int64 [{x.shape[0]}] cols); got {table.dtype} {tuple(table.shape)}, "
+                             f"{table_rows.dtype} {tuple(table_rows.shape)}, {table_cols.dtype} {tuple(table_cols.shape)}")
     if not fused:
-        return x.argmax(-1)
+        out = x.argmax(-1)
+        if commit is not None:
+            table[table_rows, table_cols] = out
+        return out
     _rows_contiguous(x, "x")
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     block = min(triton.next_power_of_2(n), ARGMAX_BLOCK)
-    _argmax_rows_kernel[(rows,)](x, out, x.stride(0), n, BLOCK=block, NUM_BLOCKS=triton.cdiv(n, block),
-                                 num_warps=_warps(block))
+    if commit is None:
+        dest = (out, out, out, 0)
+    else:
+        dest = (table, table_rows.contiguous(), table_cols.contiguous(), table.stride(0))
+    _argmax_rows_kernel[(rows,)](x, out, x.stride(0), n, *dest, BLOCK=block, NUM_BLOCKS=triton.cdiv(n, block),
+                                 COMMIT=commit is not None, num_warps=_warps(block))
     return out
 
 

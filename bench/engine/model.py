@@ -155,10 +155,12 @@ class LlamaModel(nn.Module):
         """Logits ``[num_tokens, vocab]`` in at least float32 (so greedy argmax is stable across batch shapes)."""
         return self.lm_head(hidden).to(stats_dtype(hidden.dtype))
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy(self, hidden: torch.Tensor, commit: tuple | None = None) -> torch.Tensor:
         """The argmax token of every row, as ``logits(hidden).argmax(-1)`` (the upcast is exact, so the
-        argmax is taken on the LM head's output directly: one kernel fewer; a Triton kernel where fused)."""
-        return argmax_rows(self.lm_head(hidden), self.fused)
+        argmax is taken on the LM head's output directly: one kernel fewer; a Triton kernel where fused).
+        ``commit = (table, rows, cols)`` also writes each row's token to ``table[rows[i], cols[i]]``
+        (:func:`bench.engine.fused.argmax_rows`)."""
+        return argmax_rows(self.lm_head(hidden), self.fused, commit)
 
 
 KERNELS = ("auto", "fused", "torch")

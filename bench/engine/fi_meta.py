@@ -12,6 +12,12 @@ to (``write_slots``); :func:`pack_mask` writes the mask bits. On CUDA each is on
 in the step's graph); the torch code beside each is the CPU path and the test oracle. Nothing here reads
 a device value on the host, so no step waits for the GPU.
 
+Tree as decode. With page size 1 a tree step needs no mask at all: each query token ``(r, q)`` becomes a
+page list of its own, sequence ``r``'s first ``prefix[r]`` columns followed by the extra columns ``e``
+with ``extra_mask[r, q, e]`` (the token's ancestors and itself), in column order, and attends all of it
+with one query. :func:`build_tree_decode_indices` writes those ``R * T`` lists (two Triton launches on
+CUDA: the lists' prefix sums, then their pages), for FlashInfer's decode kernel.
+
 :func:`reference_attention_paged` computes attention from exactly this metadata in plain torch
 (float32-capable, fixed shapes): the CPU stand-in for FlashInfer's kernels and the oracle that checks the
 metadata end to end.
@@ -36,6 +42,8 @@ except ImportError:  # Triton is optional: without it the torch code below build
 
 INDEX_BLOCK = 256
 MASK_BLOCK = 64  # bytes per program (x 8 bits each)
+TREE_TOKEN_BLOCK = 128  # query tokens per iteration of the tree-as-decode prefix sums
+TREE_EXTRA_BLOCK = 64   # at most this many extra columns per iteration
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -83,6 +91,63 @@ if triton is not None:
         keep = (q < tokens) & ((c < prefix) | (tree != 0))
         packed = tl.sum(keep.to(tl.int32) << bit, axis=1)
         tl.store(out_ptr + r * region + offs, packed.to(tl.uint8), mask=offs < region)
+
+    @triton.jit(do_not_specialize=["stride_mr", "stride_mt", "n_tokens", "tokens", "n_extra"])
+    def _tree_decode_indptr_kernel(prefix_ptr, mask_ptr, indptr_ptr, stride_mr, stride_mt, n_tokens, tokens,
+                                   n_extra, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+        # One program: token i = r * tokens + q has prefix[r] + popcount(mask[r, q, :]) pages; indptr holds
+        # their running sums, a block of tokens at a time.
+        # (while loops: Triton 3.6's interpreter cannot range() over a runtime bound under NumPy 2.4)
+        tl.store(indptr_ptr, 0)
+        carry = 0
+        t0 = 0
+        while t0 < n_tokens:
+            i = t0 + tl.arange(0, BLOCK)
+            live = i < n_tokens
+            r = i // tokens
+            q = i - r * tokens
+            lens = tl.load(prefix_ptr + r, mask=live, other=0).to(tl.int32)
+            row = mask_ptr + r.to(tl.int64) * stride_mr + q.to(tl.int64) * stride_mt
+            e0 = 0
+            while e0 < n_extra:
+                e = e0 + tl.arange(0, E_BLOCK)
+                bits = tl.load(row[:, None] + e[None, :], mask=live[:, None] & (e[None, :] < n_extra), other=0)
+                lens += tl.sum((bits != 0).to(tl.int32), axis=1)
+                e0 += E_BLOCK
+            tl.store(indptr_ptr + 1 + i, carry + tl.cumsum(lens, axis=0), mask=live)
+            carry += tl.sum(lens, axis=0)
+            t0 += BLOCK
+
+    @triton.jit(do_not_specialize=["table_width", "stride_mr", "stride_mt", "tokens", "n_extra"])
+    def _tree_decode_indices_kernel(table_ptr, rows_ptr, prefix_ptr, mask_ptr, indptr_ptr, indices_ptr, write_ptr,
+                                    table_width, stride_mr, stride_mt, tokens, n_extra, BLOCK: tl.constexpr,
+                                    E_BLOCK: tl.constexpr):
+        i = tl.program_id(0)  # query token r * tokens + q
+        blk = tl.program_id(1)
+        r = i // tokens
+        q = i - r * tokens
+        row = table_ptr + tl.load(rows_ptr + r).to(tl.int64) * table_width
+        prefix = tl.load(prefix_ptr + r)
+        start = tl.load(indptr_ptr + i).to(tl.int64)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < prefix
+        slots = tl.load(row + cols, mask=inside, other=0)
+        tl.store(indices_ptr + start + cols, slots.to(tl.int32), mask=inside)
+        if blk == 0:
+            # The extra columns the token sees follow the prefix in column order: the k-th kept one at
+            # start + prefix + k.
+            mrow = mask_ptr + r.to(tl.int64) * stride_mr + q.to(tl.int64) * stride_mt
+            kept = 0
+            e0 = 0
+            while e0 < n_extra:
+                e = e0 + tl.arange(0, E_BLOCK)
+                keep = tl.load(mrow + e, mask=e < n_extra, other=0) != 0
+                rank = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                picked = tl.load(row + prefix + e, mask=keep, other=0)
+                tl.store(indices_ptr + start + prefix + rank, picked.to(tl.int32), mask=keep)
+                kept += tl.sum(keep.to(tl.int32), axis=0)
+                e0 += E_BLOCK
+            tl.store(write_ptr + i, tl.load(row + prefix + n_extra - tokens + q))
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
@@ -176,6 +241,90 @@ def pack_mask(prefix: torch.Tensor, extra_mask: torch.Tensor, out: torch.Tensor,
     grid = (n, triton.cdiv(region, MASK_BLOCK))
     _pack_mask_kernel[grid](prefix, extra_mask.view(torch.uint8), out, extra_mask.stride(0), extra_mask.stride(1), e,
                             region, t, BLOCK=MASK_BLOCK, num_warps=4)
+
+
+def build_tree_decode_indices(table: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor,
+                              extra_mask: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                              write_slots: torch.Tensor, use_triton: bool | None = None) -> None:
+    """Write a tree step's metadata as ``R * T`` decode page lists, one per query token (see the module
+    docstring): token ``(r, q)``, list ``r * T + q``, holds the slots of sequence ``r``'s columns
+    ``[0, prefix[r])`` followed by those of extra columns ``prefix[r] + e`` where ``extra_mask[r, q, e]``,
+    in column order. The step's ``T`` new tokens are the last ``T`` extra columns, as in :func:`pack_mask`'s
+    steps: ``write_slots`` gets what ``build_kv_indices(table, rows, prefix, E, T, ...)`` writes there.
+
+    Args:
+        table: ``[rows, width]`` int64 ``req_to_token``.
+        rows, prefix: ``[R]`` int64 (``prefix[r] + E <= width``).
+        extra_mask: ``[R, T, E]`` bool, ``T <= E`` (its last dimension contiguous; the others may be
+            strided or broadcast).
+        indptr: ``[R * T + 1]`` int32 out: prefix sums of the lists' lengths
+            ``prefix[r] + popcount(extra_mask[r, q])``.
+        indices: int32 out, at least ``R * T * width + 1`` entries (the lists back to back; the torch path
+            spills into the last).
+        write_slots: ``[R * T]`` int64 out, the slots of the new tokens.
+        use_triton: as in :func:`build_kv_indices`.
+    """
+    if extra_mask.dim() != 3 or extra_mask.dtype != torch.bool:
+        raise ValueError(f"extra_mask must be a [R, T, E] bool tensor, got {extra_mask.dtype} shape "
+                         f"{tuple(extra_mask.shape)}")
+    n, t, e = extra_mask.shape
+    _check_vector("rows", rows, n)
+    _check_vector("prefix", prefix, n)
+    if t > e:
+        raise ValueError(f"extra_mask [R, T, E] = {tuple(extra_mask.shape)}: the step's T new tokens are the last "
+                         f"T of its E extra columns, so T <= E is expected")
+    if e > 1 and extra_mask.stride(2) != 1:
+        raise ValueError(f"extra_mask must be contiguous in its last dimension, got strides {extra_mask.stride()}")
+    width = table.shape[1]
+    want = {"indptr": ((n * t + 1,), torch.int32), "write_slots": ((n * t,), torch.int64)}
+    for name, buf in (("indptr", indptr), ("write_slots", write_slots)):
+        shape, dtype = want[name]
+        if tuple(buf.shape) != shape or buf.dtype != dtype:
+            raise ValueError(f"{name} must be a {dtype} {list(shape)} tensor for {n} sequences x {t} tokens, got "
+                             f"{buf.dtype} shape {tuple(buf.shape)}")
+    if indices.dim() != 1 or indices.dtype != torch.int32 or indices.shape[0] < n * t * width + 1:
+        raise ValueError(f"indices must be an int32 vector of at least {n * t * width + 1} entries ({n} x {t} "
+                         f"lists of up to {width} pages, plus one), got {indices.dtype} shape {tuple(indices.shape)}")
+    if n * t == 0:
+        indptr.zero_()
+        return
+    if not _use_triton(table, use_triton):
+        build_tree_decode_indices_reference(table, rows, prefix, extra_mask, indptr, indices, write_slots)
+        return
+    mask = extra_mask.view(torch.uint8)
+    e_block = min(TREE_EXTRA_BLOCK, triton.next_power_of_2(max(e, 1)))
+    _tree_decode_indptr_kernel[(1,)](prefix, mask, indptr, mask.stride(0), mask.stride(1), n * t, t, e,
+                                     BLOCK=TREE_TOKEN_BLOCK, E_BLOCK=e_block, num_warps=4)
+    grid = (n * t, triton.cdiv(width, INDEX_BLOCK))
+    _tree_decode_indices_kernel[grid](table, rows, prefix, mask, indptr, indices, write_slots, width, mask.stride(0),
+                                      mask.stride(1), t, e, BLOCK=INDEX_BLOCK, E_BLOCK=e_block, num_warps=4)
+
+
+def build_tree_decode_indices_reference(table: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor,
+                                        extra_mask: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                                        write_slots: torch.Tensor) -> None:
+    """The torch code :func:`build_tree_decode_indices` runs as two kernels (fixed shapes, no host sync)."""
+    n, t, e = extra_mask.shape
+    width, dev = table.shape[1], table.device
+    lens = (prefix[:, None] + extra_mask.sum(-1)).reshape(-1)  # [R * T] pages per query token
+    ends = torch.cumsum(lens, 0)
+    indptr[0] = 0
+    indptr[1:] = ends.to(indptr.dtype)
+    starts = (ends - lens).view(n, t, 1)
+    spill = indices.shape[0] - 1  # entries past a list's end land here; FlashInfer never reads it
+    row_slots = table[rows]  # [R, width]
+    cols = torch.arange(width, device=dev)
+    # Pages 0 .. prefix-1 of every list: the prefix columns.
+    dest = torch.where(cols < prefix[:, None, None], starts + cols, spill)  # [R, T, width]
+    indices.scatter_(0, dest.reshape(-1), row_slots[:, None, :].expand(n, t, width).reshape(-1).to(indices.dtype))
+    # Then the kept extra columns, the k-th at page prefix + k.
+    extra_cols = (prefix[:, None] + torch.arange(e, device=dev)).clamp(max=width - 1)  # [R, E]
+    rank = torch.cumsum(extra_mask.long(), -1) - 1
+    dest = torch.where(extra_mask, starts + prefix[:, None, None] + rank, spill)  # [R, T, E]
+    src = row_slots.gather(1, extra_cols)[:, None, :].expand(n, t, e)
+    indices.scatter_(0, dest.reshape(-1), src.reshape(-1).to(indices.dtype))
+    new_cols = prefix[:, None] + e - t + torch.arange(t, device=dev)
+    write_slots.copy_(table[rows[:, None], new_cols].reshape(-1))
 
 
 def unpacked_mask(prefix: torch.Tensor, extra_mask: torch.Tensor, width: int) -> torch.Tensor:

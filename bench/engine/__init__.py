@@ -14,6 +14,9 @@ Stable pieces (import them on their own):
   metadata built in the graph by :mod:`bench.engine.fi_meta` (Triton kernels with torch references).
 * :mod:`bench.engine.fused`: fused Triton kernels for the embedding lookup with the first norm, the norms, rotary
   embedding, SwiGLU, KV store and the greedy argmax.
+* :mod:`bench.engine.draft_select`, :mod:`bench.engine.tree_kernels`: the speculative step's selection work (each
+  draft level's top-k and next beam, the tree's selection, the greedy acceptance with its commit) as one Triton
+  kernel each, beside the torch code of :mod:`bench.engine.tree` they replace (``SpecConfig.draft_select``).
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
 * :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 * :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the

@@ -71,7 +71,7 @@ from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa
 from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
-from bench.engine.harness import build  # noqa: E402
+from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
@@ -138,9 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="fused Triton norms/rotary/SwiGLU (auto: on CUDA) or plain torch")
     p.add_argument("--draft-select", default="auto", choices=DRAFT_SELECT,
-                   help="how each draft level picks its candidates: torch ops (~8 launches) or one fused Triton "
-                        "kernel (bench/engine/draft_select.py); auto: fused where Triton can run it (CUDA), "
-                        "else torch")
+                   help="the speculative step's selection work (each draft level's top-k and next beam, the "
+                        "tree's selection, the greedy acceptance and commit): torch ops, or one Triton kernel "
+                        "each (bench/engine/draft_select.py, tree_kernels.py); auto: the kernels on CUDA")
+    p.add_argument("--blas", default="default", choices=BLAS,
+                   help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
     p.add_argument("--run-ahead", type=int, default=1,
                    help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
     p.add_argument("--identity-check", action="store_true",
@@ -277,6 +279,7 @@ def run(tp, args: argparse.Namespace) -> int:
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     try:
+        blas = select_blas(args.blas, args.device)
         engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                              dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
                              attention=args.attention, kernels=args.kernels)
@@ -287,7 +290,7 @@ def run(tp, args: argparse.Namespace) -> int:
     selection += " (auto)" if spec.draft_select == "auto" else ""
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
-          f"draft selection, run-ahead {args.run_ahead})", flush=True)
+          f"draft selection, {blas} GEMMs, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
@@ -344,7 +347,7 @@ def run(tp, args: argparse.Namespace) -> int:
             "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                             "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
-            "draft_select": "fused" if engine.fused_draft_select else "torch",
+            "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas,
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes

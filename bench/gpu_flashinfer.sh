@@ -4,10 +4,10 @@
 # --attention flashinfer and torch, then flashinfer with --draft-select torch (the speculative step's
 # selection and acceptance as torch ops instead of the default fused kernels; quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
-# profile_step{,_torch_select}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
-# (10 files; the device tool returns 8: remove the trace and a plot at the end of the call). The summary table
+# profile_step{,_torch_select,_cublaslt}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
+# (11 files; the device tool returns 8: remove the trace and the plots at the end of the call). The summary table
 # comes last. Each stage has a time limit, and
-# the limits add up to under 10 minutes; expected total ~5 minutes after the wheels are installed.
+# the limits add up to 10 minutes at most; expected total ~5 minutes after the wheels are installed.
 #
 # FlashInfer and apache-tvm-ffi are not installed on the H200: carry them as wheels in .whl/ and start
 # the command with
@@ -38,7 +38,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, s
 
 # 1. JIT: FlashInfer's attention module (one fa2 prefill module serves decode, causal and tree-masked
 #    calls), the engine's Triton kernels and graphpool's C++ checker; timed once, cached for the rest.
-stage "jit warm-up" 110 python3 - <<'EOF'
+stage "jit warm-up" 100 python3 - <<'EOF'
 import time, torch
 t = time.perf_counter()
 from bench.engine.fi_attention import FlashInferLayouts
@@ -63,20 +63,23 @@ EOF
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
 stage "profile (C = 1) --draft-select torch" 45 python3 bench/profile_step.py --configs flashinfer:fused \
   --draft-select torch --out "$OUT/profile_step_torch_select"
+# The plain step is GEMM-bound: the same profile with the GEMMs through cuBLASLt (torch's other library).
+stage "profile (C = 1) --blas cublaslt" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --blas cublaslt --out "$OUT/profile_step_cublaslt"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.
-stage "gpu tests" 140 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
+stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_draft_select.py tests/test_engine_tree_kernels.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py tests/test_examples.py"
 
 # 4. The decode-loop sweeps (quick set of C: 1, 4, 16, 32, 128), FlashInfer then torch attention, then
 #    FlashInfer with the speculative step's selection and acceptance as torch ops (the gain of their kernels).
 for att in flashinfer torch; do
-  stage "decode_loop --attention $att" 75 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
+  stage "decode_loop --attention $att" 70 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
     --out "$OUT/decode_$att"
 done
-stage "decode_loop --attention flashinfer --draft-select torch" 75 python3 bench/decode_loop.py --quick \
+stage "decode_loop --attention flashinfer --draft-select torch" 70 python3 bench/decode_loop.py --quick \
   --attention flashinfer --draft-select torch --identity-check --out "$OUT/decode_flashinfer_torch_select"
 
 say ""

@@ -39,7 +39,7 @@ from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
 from bench.engine.costs import plain_step, spec_step  # noqa: E402
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
-from bench.engine.harness import build  # noqa: E402
+from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 
 log = logging.getLogger("profile_step")
@@ -169,8 +169,10 @@ def parse_args(argv=None):
     p.add_argument("--max-new", type=int, default=112)
     p.add_argument("--draft-noise", type=float, default=0.2)
     p.add_argument("--draft-select", default="auto", choices=DRAFT_SELECT,
-                   help="draft levels' candidate selection: torch ops, one fused kernel per level, or auto "
-                        "(fused where Triton can run it)")
+                   help="the speculative step's selection and acceptance: torch ops, Triton kernels, or auto "
+                        "(the kernels on CUDA)")
+    p.add_argument("--blas", default="default", choices=BLAS,
+                   help="torch's preferred BLAS library for the GEMMs (default: torch's choice)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     return p.parse_args(argv)
@@ -182,6 +184,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
+    blas = select_blas(args.blas, "cuda")
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -208,9 +211,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                    "model": args.size, "dtype": args.dtype, "results": results},
+                                                    "model": args.size, "dtype": args.dtype, "blas": blas, "results": results},
                                                    indent=1, default=str))
     print(f"wrote {out.with_suffix('.json')}")
+    print(f"GEMMs through {blas}")
     print(table(rows))
     print(kernel_table(rows[-2]))  # the last config's speculative step: what to fuse next
     return 0

@@ -137,3 +137,19 @@ def test_draft_select_flag_reaches_the_engine_and_refuses_what_the_machine_canno
     with pytest.raises(SystemExit, match="draft_select='fused' needs Triton and a CUDA device"):
         decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "3", "--draft-select", "fused",
                           "--out", str(out)])
+
+
+def test_blas_flag_is_recorded_and_refused_off_cuda(tmp_path, capsys):
+    """``--blas``: the default leaves torch's choice and the JSON records the library that ran; a CUDA
+    library on a CPU run stops with one line naming the option."""
+    import pytest
+    from bench.engine.harness import select_blas
+    out = tmp_path / "dl"
+    assert decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "2", "--variants", "plain",
+                             "--out", str(out)]) == 0
+    blas = json.loads(out.with_suffix(".json").read_text())["meta"]["blas"]
+    assert blas == select_blas("default", "cpu") and f"{blas} GEMMs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="blas='cublas' picks a CUDA library"):
+        decode_loop.main(["--device", "cpu", "--concurrency", "1", "--blas", "cublas", "--out", str(out)])
+    with pytest.raises(ValueError, match="blas must be one of"):
+        select_blas("mkl", "cpu")

@@ -154,8 +154,8 @@ class Engine:
     def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``.
 
-        With ``fused_draft_select`` (``spec.draft_select == "fused"``) the tree's selection (end of
-        :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
+        With ``fused_draft_select`` (``spec.draft_select`` "fused", or "auto" on CUDA) the tree's selection
+        (end of :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
         (:mod:`bench.engine.tree_kernels`), besides each draft level's selection; else the torch ops."""
         sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
         tree = self._draft_tree(n, rows)

@@ -94,39 +94,39 @@ if triton is not None:
         tl.store(out_ptr + tok * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_HEADS: tl.constexpr,
-                    HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        """The rotary embedding of the first ``NUM_HEADS`` heads of token ``tok``'s qkv row (the query heads
-        then the key heads), each half rounded to qkv's dtype as the torch code rounds. Returns ``head``
-        (``[BLOCK_H, 1]`` head indices; rows ``>= NUM_HEADS`` are masked, 0), ``j`` (``[HALF]``) and the
-        rotated halves ``o1``, ``o2`` (``[BLOCK_H, HALF]``)."""
+    def _rope_store_q(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, tok, stride_qkv, stride_pos, NUM_Q: tl.constexpr,
+                      NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The rotary embedding of token ``tok``'s query and key heads (the first ``NUM_Q + NUM_K`` heads of
+        its qkv row), each half rounded to qkv's dtype as the torch code rounds. Stores the query heads to
+        ``q`` (``[tokens, NUM_Q, 2 * HALF]``) and returns what the caller stores of the keys: ``is_k``
+        (``[BLOCK_H, 1]``, the rows holding key heads), ``k_off`` (each row's offset within the token's
+        ``[NUM_K, 2 * HALF]`` key block) and the rotated halves ``o1``, ``o2`` (``[BLOCK_H, HALF]``)."""
         pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
         j = tl.arange(0, HALF)
         c = tl.load(cos_ptr + pos * HALF + j)[None, :]
         s = tl.load(sin_ptr + pos * HALF + j)[None, :]
-        head = tl.arange(0, BLOCK_H)[:, None]
-        valid = head < NUM_HEADS
+        head = tl.arange(0, BLOCK_H)[:, None]  # query heads, then key heads: both lead the qkv row
+        valid = head < NUM_Q + NUM_K
         src = qkv_ptr + tok * stride_qkv + head * (2 * HALF) + j[None, :]
         x1 = tl.load(src, mask=valid, other=0.0)
         x2 = tl.load(src + HALF, mask=valid, other=0.0)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (a * c - b * s).to(x1.dtype)
         o2 = (b * c + a * s).to(x1.dtype)
-        return head, j, o1, o2
+        is_q = head < NUM_Q
+        q_dst = q_ptr + (tok * NUM_Q + head) * (2 * HALF) + j[None, :]
+        tl.store(q_dst, o1, mask=is_q)
+        tl.store(q_dst + HALF, o2, mask=is_q)
+        is_k = valid & (head >= NUM_Q)
+        return is_k, (head - NUM_Q) * (2 * HALF) + j[None, :], o1, o2
 
     @triton.jit
     def _rope_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_pos,
                         NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
-        # query heads, then key heads: both lead the qkv row
-        head, j, o1, o2 = _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_Q + NUM_K,
-                                      HALF, BLOCK_H)
-        is_q = head < NUM_Q
-        q_dst = q_ptr + (tok * NUM_Q + head) * (2 * HALF) + j[None, :]
-        tl.store(q_dst, o1, mask=is_q)
-        tl.store(q_dst + HALF, o2, mask=is_q)
-        is_k = (head < NUM_Q + NUM_K) & (head >= NUM_Q)
-        k_dst = k_ptr + (tok * NUM_K + head - NUM_Q) * (2 * HALF) + j[None, :]
+        is_k, k_off, o1, o2 = _rope_store_q(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, tok, stride_qkv, stride_pos,
+                                            NUM_Q, NUM_K, HALF, BLOCK_H)
+        k_dst = k_ptr + tok * (NUM_K * 2 * HALF) + k_off
         tl.store(k_dst, o1, mask=is_k)
         tl.store(k_dst + HALF, o2, mask=is_k)
 
@@ -135,18 +135,12 @@ if triton is not None:
                                 stride_qkv, stride_pos, stride_slot, NUM_Q: tl.constexpr, NUM_K: tl.constexpr,
                                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
-        head, j, o1, o2 = _rope_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, tok, stride_qkv, stride_pos, NUM_Q + NUM_K,
-                                      HALF, BLOCK_H)
-        is_q = head < NUM_Q
-        q_dst = q_ptr + (tok * NUM_Q + head) * (2 * HALF) + j[None, :]
-        tl.store(q_dst, o1, mask=is_q)
-        tl.store(q_dst + HALF, o2, mask=is_q)
+        is_k, k_off, o1, o2 = _rope_store_q(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, tok, stride_qkv, stride_pos,
+                                            NUM_Q, NUM_K, HALF, BLOCK_H)
         # The rotated keys and the value heads go straight to the token's cache row (caches [slots, NUM_K, D]).
         row = tl.load(slot_ptr + tok * stride_slot).to(tl.int64) * (NUM_K * 2 * HALF)
-        is_k = (head < NUM_Q + NUM_K) & (head >= NUM_Q)
-        k_dst = k_cache_ptr + row + (head - NUM_Q) * (2 * HALF) + j[None, :]
-        tl.store(k_dst, o1, mask=is_k)
-        tl.store(k_dst + HALF, o2, mask=is_k)
+        tl.store(k_cache_ptr + row + k_off, o1, mask=is_k)
+        tl.store(k_cache_ptr + row + k_off + HALF, o2, mask=is_k)
         vh = tl.arange(0, BLOCK_K)[:, None]
         d = tl.arange(0, 2 * HALF)[None, :]
         is_v = vh < NUM_K

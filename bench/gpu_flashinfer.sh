@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 11 on one H200 in one call (~6 min): FlashInfer's JIT compile (timed, then excluded), the C = 1
-# step profile, the GPU tests of FlashInfer attention and the decode loop, and the decode-loop sweeps with
+# Issue 11 on one H200 in one call (~5 min): FlashInfer's JIT compile (timed, then excluded), the C = 1
+# step profile (also with every GEMM through cuBLAS, then cuBLASLt, instead of the Triton GEMV at 1-4 tokens),
+# the GPU tests of the engine's kernels, FlashInfer attention and the decode loop, and the decode-loop sweeps with
 # --attention flashinfer and torch, then flashinfer with --draft-select torch (the speculative step's
 # selection and acceptance as torch ops instead of the default fused kernels; quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
-# profile_step{,_torch_select,_cublaslt}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
-# (11 files; the device tool returns 8: remove the trace and the plots at the end of the call). The summary table
+# profile_step{,_no_gemv,_cublaslt}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
+# (12 files; the device tool returns 8: remove the trace and the plots at the end of the call). The summary table
 # comes last. Each stage has a time limit, and
 # the limits add up to 10 minutes at most; expected total ~5 minutes after the wheels are installed.
 #
@@ -38,7 +39,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, s
 
 # 1. JIT: FlashInfer's attention module (one fa2 prefill module serves decode, causal and tree-masked
 #    calls), the engine's Triton kernels and graphpool's C++ checker; timed once, cached for the rest.
-stage "jit warm-up" 100 python3 - <<'EOF'
+stage "jit warm-up" 90 python3 - <<'EOF'
 import time, torch
 t = time.perf_counter()
 from bench.engine.fi_attention import FlashInferLayouts
@@ -61,15 +62,16 @@ EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
-stage "profile (C = 1) --draft-select torch" 45 python3 bench/profile_step.py --configs flashinfer:fused \
-  --draft-select torch --out "$OUT/profile_step_torch_select"
-# The plain step is GEMM-bound: the same profile with the GEMMs through cuBLASLt (torch's other library).
-stage "profile (C = 1) --blas cublaslt" 45 python3 bench/profile_step.py --configs flashinfer:fused \
-  --blas cublaslt --out "$OUT/profile_step_cublaslt"
+# The plain step is GEMM-bound: the same profile with every GEMM through cuBLAS (no Triton GEMV at 1-4 tokens;
+# the engine before it), and through cuBLASLt (torch's other library). bench/gemv_probe.py times each shape.
+stage "profile (C = 1) --gemv-rows 0" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --gemv-rows 0 --out "$OUT/profile_step_no_gemv"
+stage "profile (C = 1) --gemv-rows 0 --blas cublaslt" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --gemv-rows 0 --blas cublaslt --out "$OUT/profile_step_cublaslt"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.
-stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py; \
+stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py tests/test_engine_gemv.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_draft_select.py tests/test_engine_tree_kernels.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py tests/test_examples.py"
 

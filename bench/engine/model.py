@@ -32,7 +32,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .fused import (add_rmsnorm, argmax_rows, embed_rmsnorm, fused_available, rmsnorm_reference, rope_q_store_kv,
-                    rope_qk, silu_mul, stats_dtype)
+                    rope_qk, stats_dtype)
+from .gemv import Projection
 
 
 class AttentionFn(Protocol):
@@ -82,11 +83,11 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Projection(cfg.hidden_size, q_dim + 2 * kv_dim)
+        self.o_proj = Projection(q_dim, cfg.hidden_size)
         self.post_norm = RMSNorm(cfg.hidden_size)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope: tuple,
                 attn: AttentionFn, fused: bool,
@@ -110,7 +111,7 @@ class DecoderLayer(nn.Module):
             v = qkv[:, kv_start:].view(n, self.num_kv_heads, self.head_dim)
             out = attn(self.layer_id, q, k, v)
         x, h = add_rmsnorm(self.o_proj(out), h, self.post_norm.weight, self.post_norm.eps, fused)
-        return h, self.down_proj(silu_mul(self.gate_up_proj(x), fused))
+        return h, self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaModel(nn.Module):
@@ -128,11 +129,24 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused = False  # Triton kernels for the lookup, norms, rotary, SwiGLU and argmax (see resolve_kernels)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the forward runs the Triton kernels (:func:`resolve_kernels`). Setting it sets every
+        projection's flag too (their small-batch GEMV, :mod:`bench.engine.gemv`)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = bool(value)
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.fused = self._fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm.

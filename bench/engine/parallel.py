@@ -47,11 +47,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from .agreement import StepAgreement
 from .config import ModelConfig
+from .gemv import Projection
 from .model import LlamaModel
 
 PrepareFn = Callable[[Any, int], None]
@@ -137,16 +136,17 @@ class TensorParallel:
         for layer in model.layers:
             w = layer.qkv_proj.weight
             q, k, v = w.split([q_dim, kv_dim, kv_dim])
-            layer.qkv_proj = ColumnParallelLinear(torch.cat([q[r * lq:(r + 1) * lq], k[r * lkv:(r + 1) * lkv],
+            layer.qkv_proj = ColumnParallelLinear.of(torch.cat([q[r * lq:(r + 1) * lq], k[r * lkv:(r + 1) * lkv],
                                                              v[r * lkv:(r + 1) * lkv]]))
-            layer.o_proj = RowParallelLinear(layer.o_proj.weight[:, r * lq:(r + 1) * lq], self)
+            layer.o_proj = RowParallelLinear.of(layer.o_proj.weight[:, r * lq:(r + 1) * lq], self)
             gate, up = layer.gate_up_proj.weight.chunk(2)
-            layer.gate_up_proj = ColumnParallelLinear(torch.cat([gate[r * inter:(r + 1) * inter],
+            layer.gate_up_proj = ColumnParallelLinear.of(torch.cat([gate[r * inter:(r + 1) * inter],
                                                                  up[r * inter:(r + 1) * inter]]))
-            layer.down_proj = RowParallelLinear(layer.down_proj.weight[:, r * inter:(r + 1) * inter], self)
+            layer.down_proj = RowParallelLinear.of(layer.down_proj.weight[:, r * inter:(r + 1) * inter], self)
             layer.num_heads, layer.num_kv_heads = heads, kv_heads
         vocab = cfg.vocab_size // n
-        model.lm_head = VocabParallelHead(model.lm_head.weight[r * vocab:(r + 1) * vocab], self)
+        model.lm_head = VocabParallelHead.of(model.lm_head.weight[r * vocab:(r + 1) * vocab], self)
+        model.fused = model.fused  # the new projections take the model's kernel choice
         return model
 
     # ------------------------------------------------------------------------ one decision per step
@@ -180,36 +180,27 @@ class TensorParallel:
         return [p for p in (ref() for ref in self._pools) if p is not None]
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Projection):
     """``x @ weight.T`` with this rank's output rows; no communication (the next layer reads local columns)."""
 
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Projection):
     """``x_local @ weight_local.T`` summed over the ranks (one all-reduce): the full layer's output."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorParallel):
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, tp: TensorParallel):
+        super().__init__(in_features, out_features, weight)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(super().forward(x))
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(Projection):
     """The LM head over this rank's vocabulary rows, all-gathered into logits over the full vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorParallel):
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, tp: TensorParallel):
+        super().__init__(in_features, out_features, weight)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_last_dim(F.linear(x, self.weight))
+        return self.tp.gather_last_dim(super().forward(x))

@@ -1,0 +1,163 @@
+"""The model's projections, and a weight-streaming Triton GEMV for the few-token steps of decode.
+
+A plain decode step at C = 1 multiplies one token by every weight matrix: it is bound by reading 3.5 GB of
+weights (the medium model), so its floor is the HBM bandwidth. cuBLAS serves ``M = 1`` with split-K GEMM
+kernels plus a reduce launch per call: on the H200 the step's GEMMs took 0.944 ms for 3.46 GB, 3.66 TB/s,
+with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs small-``M`` products as one GEMV
+launch instead: each program owns ``BLOCK_N`` output columns, streams their weight rows (contiguous in
+``nn.Linear``'s ``[N, K]`` layout) once, multiplies them with all ``M`` input rows, and writes its columns;
+no partial sums leave the program, so there is nothing to reduce afterwards. :func:`linear_silu_mul` does
+the same for the fused gate/up projection and applies SwiGLU before it stores, so the MLP's activation
+needs no launch of its own either.
+
+The GEMV serves 16-bit models only, at ``M <= GEMV_MAX_ROWS``: float32 keeps cuBLAS, so a float32 greedy run
+computes every step's projections with the same library as before and the float32 token-identity checks
+between plain decode and speculation do not hinge on two summation orders. Results equal ``F.linear`` up to
+the order of the float32 sums (the output is rounded to the model dtype once, as cuBLAS rounds it).
+
+:class:`Projection` is the model's linear layer (a bias-free ``nn.Linear`` whose ``fused`` flag, set by
+the model, picks this kernel where it applies); the tensor-parallel layers of :mod:`bench.engine.parallel`
+extend it with their collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fused import silu_mul, triton
+
+if triton is not None:
+    import triton.language as tl
+
+GEMV_MAX_ROWS = 4          # input rows (tokens) up to which the GEMV replaces cuBLAS
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes the GEMV for ``x [M, K]`` (with ``fused``): a 16-bit ``x`` of at most
+    ``GEMV_MAX_ROWS`` rows, a weight of the same dtype, Triton present."""
+    return (triton is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype in GEMV_DTYPES
+            and weight.dtype == x.dtype)
+
+
+def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[m, k] x [n, k]^T`` GEMV.
+
+    A weight-streaming kernel is fast when enough bytes are in flight on every SM: about 512 programs (four
+    per SM of an H200) of ``BLOCK_N`` rows each, loading ``BLOCK_N x BLOCK_K`` weights per iteration. The
+    float32 accumulator holds ``m x BLOCK_N x BLOCK_K`` values (summed once at the end), kept at 4096 (32
+    registers a thread of 4 warps), so ``BLOCK_K`` shrinks as ``m`` and ``BLOCK_N`` grow.
+    """
+    block_n = 16
+    while block_n > 1 and triton.cdiv(n, block_n) < 512:
+        block_n //= 2
+    per_k = block_n * triton.next_power_of_2(m)  # accumulator values per k: at most 4096 values in all
+    block_k = max(32, min(512, triton.next_power_of_2(k), 4096 // per_k))
+    return block_n, block_k, 4
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, up_rows, K: tl.constexpr,
+                     SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``out[m, n] = sum_k x[m, k] w[n, k]`` for this program's ``BLOCK_N`` columns and every row ``m``.
+        With ``SILU_MUL``, ``w`` is a gate/up weight: column ``n`` is ``silu(gate_n) * up_n``, the up row
+        ``up_rows`` rows below the gate row, each rounded to the dtype first as the torch code rounds."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        col_in, row_in = cols < N, rows < M
+        x_row = x_ptr + rows[:, None] * stride_x
+        w_row = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+        u_row = w_row + up_rows * stride_w
+        # Products accumulate elementwise and are summed over k once at the end: no reduction in the loop.
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K is a constexpr: Triton's interpreter (numpy 2) fails on a runtime bound
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_in = k < K
+            x = tl.load(x_row + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_row + k[None, :], mask=col_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+            acc += x[:, None, :] * w[None, :, :]
+            if SILU_MUL:
+                u = tl.load(u_row + k[None, :], mask=col_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+                acc_up += x[:, None, :] * u[None, :, :]
+        dtype = out_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=2)
+        if SILU_MUL:
+            g = y.to(dtype).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch's silu rounds to the dtype
+            y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
+                 mask=row_in[:, None] & col_in[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, silu: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The Triton GEMV, whatever ``M``: ``F.linear(x, weight)``, or with ``silu`` the SwiGLU of the gate/up
+    product (:func:`linear_silu_mul`). ``config`` overrides :func:`gemv_config`'s ``(BLOCK_N, BLOCK_K,
+    num_warps)`` (``bench/gemv_probe.py`` sweeps it). CUDA, or CPU tensors in Triton's interpreter."""
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"the GEMV needs x and weight contiguous in their last dimension, got strides "
+                         f"{x.stride()} and {weight.stride()}")
+    m, k = x.shape
+    rows, k_w = weight.shape
+    if k_w != k:
+        raise ValueError(f"x [{m}, {k}] does not match weight [{rows}, {k_w}]: the last dimensions must agree")
+    if silu and rows % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {rows}")
+    n = rows // 2 if silu else rows
+    block_n, block_k, warps = config or gemv_config(m, n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), n,
+                                             K=k, SILU_MUL=silu, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) for ``x [M, K]``, ``weight [N, K]``; one GEMV launch where ``fused``
+    and :func:`gemv_applies`, cuBLAS otherwise."""
+    if fused and gemv_applies(x, weight):
+        return gemv(x, weight, silu=False)
+    return F.linear(x, weight)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``silu(gate) * up`` of ``F.linear(x, weight)`` split in halves (gate rows first): ``[M, N / 2]``.
+    One GEMV launch where ``fused`` and :func:`gemv_applies`; else cuBLAS then
+    :func:`bench.engine.fused.silu_mul` (a Triton kernel where ``fused``, torch ops otherwise)."""
+    if fused and gemv_applies(x, weight):
+        return gemv(x, weight, silu=True)
+    return silu_mul(F.linear(x, weight), fused)
+
+
+class Projection(nn.Module):
+    """A bias-free linear layer, ``x @ weight.T``, with ``weight [out_features, in_features]`` as in
+    ``nn.Linear``. ``fused`` (kept in step with the model's, see :class:`bench.engine.model.LlamaModel`)
+    lets small-batch calls run :func:`linear`'s GEMV."""
+
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor | None = None):
+        super().__init__()
+        if weight is None:
+            weight = torch.empty(out_features, in_features)
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(f"weight must be [{out_features}, {in_features}], got {tuple(weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.fused = False
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, *args, **kwargs) -> "Projection":
+        """A projection (or subclass) holding a contiguous copy of ``weight``."""
+        w = weight.detach().contiguous().clone()
+        return cls(w.shape[1], w.shape[0], w, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.fused)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of this gate/up projection's output (:func:`linear_silu_mul`)."""
+        return linear_silu_mul(x, self.weight, self.fused)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fused={self.fused}"

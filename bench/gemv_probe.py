@@ -1,0 +1,162 @@
+"""Small-M projections on the GPU: cuBLAS, cuBLASLt and the engine's Triton GEMV, per shape of the model.
+
+A plain decode step at C = 1 is bound by reading the weights; this probe times each projection of the
+model alone, the way the step runs it (inside a CUDA graph, so no launch cost is measured), with enough
+weight copies that every call reads from HBM rather than from the 50 MB L2 cache. For every shape and
+``M`` (tokens) it prints microseconds per call and the weight bytes per second, for
+
+* ``cublas`` / ``cublaslt``: ``F.linear`` with torch's BLAS library set to each (gate/up: plus the SwiGLU
+  kernel the model runs after it);
+* ``gemv``: :func:`bench.engine.gemv.gemv` at :func:`bench.engine.gemv.gemv_config`'s choice (what the
+  model runs at ``M <= GEMV_MAX_ROWS``), and, with ``--sweep``, the best of a grid of
+  ``(BLOCK_N, BLOCK_K, num_warps)`` at ``M = 1``.
+
+Each GEMV result is checked against ``F.linear`` in float32 first. GPU only::
+
+    python bench/gemv_probe.py --sweep --json out/gemv_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from bench.engine.config import ModelConfig, dtype_from_name  # noqa: E402
+from bench.engine.fused import silu_mul  # noqa: E402
+from bench.engine.gemv import gemv, gemv_config  # noqa: E402
+
+log = logging.getLogger("gemv_probe")
+
+L2_FLUSH_BYTES = 256 << 20   # weight copies per shape cover this much, so each call reads HBM
+SWEEP = [c for c in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
+         if c[0] * c[1] <= 64 * 32 * c[2]]  # at most 64 accumulator registers a thread at M = 1
+
+
+def model_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, int, int, bool]]:
+    """``(name, weight rows, K, swiglu)`` of one layer's projections and the LM head, per rank of ``tp``."""
+    q, kv, h, m = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return [("qkv", (q + 2 * kv) // tp, h, False), ("o", h, q // tp, False), ("gate_up+silu", 2 * m // tp, h, True),
+            ("down", h, m // tp, False), ("lm_head", cfg.vocab_size // tp, h, False)]
+
+
+def time_graph(fn, weights: list[torch.Tensor], calls: int) -> float:
+    """Microseconds per call of ``fn(w)`` over ``weights`` in turn, ``calls`` calls captured in one CUDA
+    graph, median of 5 replays after a warm-up replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # compile and warm every path before the capture
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def blas_fn(x: torch.Tensor, swiglu: bool):
+    if swiglu:
+        return lambda w: silu_mul(F.linear(x, w), True)
+    return lambda w: F.linear(x, w)
+
+
+def probe(shapes, ms, dtype, sweep: bool) -> list[dict]:
+    rows = []
+    for name, n_rows, k, swiglu in shapes:
+        nbytes = n_rows * k * dtype.itemsize
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        weights = [(torch.randn(n_rows, k, device="cuda", generator=gen) * k ** -0.5).to(dtype) for _ in range(copies)]
+        calls = max(20, copies)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+            want = blas_fn(x.float(), swiglu)(weights[0].float())
+            got = gemv(x, weights[0], silu=swiglu)
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            if err > 2e-2:
+                raise AssertionError(f"{name} M={m}: GEMV differs from F.linear by {err:.3g} (relative)")
+            row = {"shape": name, "n": n_rows, "k": k, "m": m, "mbytes": nbytes / 1e6, "gemv_rel_err": err}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                row[lib] = time_graph(blas_fn(x, swiglu), weights, calls)
+            torch.backends.cuda.preferred_blas_library("default")
+            n_out = n_rows // 2 if swiglu else n_rows
+            row["gemv_config"] = list(gemv_config(m, n_out, k))
+            row["gemv"] = time_graph(lambda w: gemv(x, w, silu=swiglu), weights, calls)
+            if sweep and m == 1:
+                best = min(((time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls), c)
+                            for c in SWEEP), key=lambda t: t[0])
+                row["sweep_best"], row["sweep_config"] = best[0], list(best[1])
+            rows.append(row)
+            log.info("%s", format_row(row))
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(r: dict) -> str:
+    tbs = lambda us: r["mbytes"] / us  # MB / us = TB/s  # noqa: E731
+    line = (f"{r['shape']:<13}{r['m']:>3}{r['mbytes']:>8.1f}{r['cublas']:>9.1f}{r['cublaslt']:>9.1f}{r['gemv']:>8.1f}"
+            f"  {tbs(min(r['cublas'], r['cublaslt'])):>5.2f} {tbs(r['gemv']):>5.2f}  {str(tuple(r['gemv_config'])):<15}")
+    if "sweep_best" in r:
+        line += f"{r['sweep_best']:>7.1f} {str(tuple(r['sweep_config']))}"
+    return line
+
+
+HEADER = (f"{'shape':<13}{'M':>3}{'MB':>8}{'cublas':>9}{'cublaslt':>9}{'gemv':>8}  {'TB/s':>5} {'gemv':>5}  "
+          f"{'gemv config':<15}{'sweep':>7} best config   (us per call)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bf16", help="bf16 or fp16 (the GEMV serves 16-bit models)")
+    ap.add_argument("--m", default="1,2,4,8", help="tokens per call, comma-separated")
+    ap.add_argument("--tp", type=int, default=1, help="per-rank shapes of this tensor-parallel degree")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of GEMV configurations per shape at M = 1")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        print("gemv_probe: needs a CUDA GPU (it times kernels inside CUDA graphs)")
+        return 1
+    dtype = dtype_from_name(args.dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        ap.error(f"--dtype must be bf16 or fp16, got {args.dtype}")
+    ms = [int(m) for m in args.m.split(",")]
+    shapes = model_shapes(ModelConfig.medium(), args.tp)
+    log.info("%s on %s, torch %s", args.dtype, torch.cuda.get_device_name(), torch.__version__)
+    log.info(HEADER)
+    rows = probe(shapes, ms, dtype, args.sweep)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "dtype": args.dtype, "tp": args.tp, "rows": rows}, indent=1))
+    print(HEADER)
+    for r in rows:
+        print(format_row(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

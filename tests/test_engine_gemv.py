@@ -35,51 +35,50 @@ def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_gemv_matches_linear(dtype, m):
-    # n and k are not multiples of any block: masked columns and a masked last k block.
-    x, w = _operands(m, 37, 200, dtype, seed=m)
+@pytest.mark.parametrize("k", [200, 256])  # a masked last k block, and k a multiple of the block (no k mask)
+def test_gemv_matches_linear(dtype, k):
+    x, w = _operands(1, 37, k, dtype, seed=k)  # 37 outputs: masked columns
     got = gemv.linear(x, w, fused=True)
-    assert got.dtype == dtype and got.shape == (m, 37)
+    assert got.dtype == dtype and got.shape == (1, 37)
     _close(got, F.linear(x.float(), w.float()), dtype)
     assert not torch.equal(got, torch.zeros_like(got))
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m", [1, 4])
-def test_gemv_silu_mul_matches_torch(dtype, m):
-    x, w = _operands(m, 2 * 45, 130, dtype, seed=10 + m)
+@pytest.mark.parametrize("k", [130, 128])
+def test_gemv_silu_mul_matches_torch(dtype, k):
+    x, w = _operands(1, 2 * 45, k, dtype, seed=10 + k)
     got = gemv.linear_silu_mul(x, w, fused=True)
     want = silu_mul(F.linear(x, w), fused=False)  # the model's torch path: cuBLAS, then silu(gate) * up
-    assert got.shape == (m, 45) and got.dtype == dtype
+    assert got.shape == (1, 45) and got.dtype == dtype
     # gate and up are each rounded to the dtype before the activation, as on the torch path; each factor
     # may be an ulp off (summation order), and the activation and the product round again
     _close(got, want, dtype, ulps=3)
 
 
-def test_gemv_reads_strided_rows():
-    """The draft's LM head reads the last token of each sequence: rows a stride apart (not contiguous)."""
+def test_gemv_reads_a_row_of_a_wider_tensor():
+    """The draft's LM head reads the last token of a sequence: a row view into the hidden states."""
     dtype = torch.bfloat16
-    x, w = _operands(6, 29, 64, dtype, seed=3)
-    rows = x.view(3, 2, 64)[:, -1]
-    assert not rows.is_contiguous()
-    _close(gemv.linear(rows, w, fused=True), F.linear(rows.float(), w.float()), dtype)
+    x, w = _operands(3, 29, 64, dtype, seed=3)
+    row = x[-1:]
+    assert row.data_ptr() != x.data_ptr()
+    _close(gemv.linear(row, w, fused=True), F.linear(row.float(), w.float()), dtype)
 
 
 def test_gemv_configs_agree():
-    """Every (BLOCK_N, BLOCK_K, warps) computes the same product (the probe may pick any of them)."""
-    x, w = _operands(2, 50, 300, torch.bfloat16, seed=4)
+    """Every (BLOCK_N, BLOCK_K, warps, stages) computes the same product (the probe may pick any of them)."""
+    x, w = _operands(1, 50, 300, torch.bfloat16, seed=4)
     want = F.linear(x.float(), w.float())
-    for config in [(1, 32, 1), (4, 128, 4), (16, 64, 4), (8, 512, 8)]:
+    for config in [(1, 32, 1, 1), (4, 128, 4, 3), (16, 64, 4, 1), (8, 512, 8, 3)]:
         _close(gemv.gemv(x, w, config=config), want, torch.bfloat16)
 
 
 def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply():
-    x, w = _operands(4, 16, 32, torch.bfloat16, seed=5)
+    x, w = _operands(1, 16, 32, torch.bfloat16, seed=5)
     assert gemv.gemv_applies(x, w)
-    big = torch.cat([x, x])  # more rows than GEMV_MAX_ROWS
-    assert not gemv.gemv_applies(big, w)
-    assert torch.equal(gemv.linear(big, w, fused=True), F.linear(big, w))
+    two = torch.cat([x, x])  # more rows than GEMV_MAX_ROWS: cuBLAS
+    assert not gemv.gemv_applies(two, w)
+    assert torch.equal(gemv.linear(two, w, fused=True), F.linear(two, w))
     x32, w32 = x.float(), w.float()  # float32 keeps cuBLAS (see the module docstring)
     assert not gemv.gemv_applies(x32, w32)
     assert torch.equal(gemv.linear(x32, w32, fused=True), F.linear(x32, w32))
@@ -88,25 +87,27 @@ def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply():
 
 
 def test_gemv_rejects_bad_shapes():
-    x, w = _operands(2, 16, 32, torch.bfloat16, seed=6)
+    x, w = _operands(1, 16, 32, torch.bfloat16, seed=6)
     with pytest.raises(ValueError, match="last dimensions must agree"):
         gemv.gemv(x, w[:, :16])
     with pytest.raises(ValueError, match="even number of rows"):
         gemv.gemv(x, w[:15], silu=True)
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
         gemv.gemv(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"x must be \[1, K\]"):
+        gemv.gemv(torch.cat([x, x]), w)
     with pytest.raises(ValueError, match=r"weight must be \[8, 4\]"):
         gemv.Projection(4, 8, torch.zeros(4, 8))
 
 
 def test_model_flag_reaches_every_projection_and_forward_matches_torch(monkeypatch):
-    """bf16 tiny model: the fused forward (GEMV at <= 4 tokens, interpreted on CPU) against plain torch."""
+    """bf16 tiny model, one token: the fused forward (the GEMV, interpreted on CPU) against plain torch."""
     cfg = ModelConfig.tiny()
     model = build_target(cfg, seed=7, device=DEVICE, dtype=torch.bfloat16, kernels="torch")
     projections = [m for m in model.modules() if isinstance(m, gemv.Projection)]
     assert len(projections) == 4 * cfg.num_layers + 1 and not any(p.fused for p in projections)
-    ids = torch.tensor([5, 99, 7], device=DEVICE)
-    pos = torch.arange(3, device=DEVICE)
+    ids = torch.tensor([99], device=DEVICE)
+    pos = torch.tensor([0], device=DEVICE)
 
     def dense(layer_id, q, k, v):
         from bench.engine.attention import reference_attention
@@ -127,14 +128,15 @@ def test_model_flag_reaches_every_projection_and_forward_matches_torch(monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_gemv_in_cuda_graph_equals_eager_at_model_shapes(m):
-    """The medium model's projections (the plain step at C <= 4): replayed from a CUDA graph, the GEMV gives
-    the eager call's bytes, and matches F.linear in float32 within an ulp."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemv_in_cuda_graph_equals_eager_at_model_shapes(tp):
+    """The medium model's projections (the plain step at C = 1; per rank at TP 2): replayed from a CUDA graph,
+    the GEMV gives the eager call's bytes, and matches F.linear in float32 within an ulp."""
     cfg = ModelConfig.medium()
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    for n, k, swiglu in [(q + 2 * kv, h, False), (h, q, False), (2 * inter, h, True), (h, inter, False)]:
-        x, w = _operands(m, n, k, torch.bfloat16, seed=n + k)
+    for n, k, swiglu in [((q + 2 * kv) // tp, h, False), (h, q // tp, False), (2 * inter // tp, h, True),
+                         (h, inter // tp, False), (cfg.vocab_size // tp, h, False)]:
+        x, w = _operands(1, n, k, torch.bfloat16, seed=n + k)
         fn = gemv.linear_silu_mul if swiglu else gemv.linear
         eager = fn(x, w, True)
         want = silu_mul(F.linear(x, w), False) if swiglu else F.linear(x.float(), w.float())
@@ -144,7 +146,7 @@ def test_gemv_in_cuda_graph_equals_eager_at_model_shapes(m):
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             out = fn(static_x, w, True)
-        static_x.copy_(x.flip(0))  # new inputs after capture: the replay reads them
+        static_x.copy_(-x)  # new inputs after capture: the replay reads them
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, fn(x.flip(0), w, True))
+        assert torch.equal(out, fn(-x, w, True))

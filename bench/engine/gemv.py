@@ -1,16 +1,17 @@
-"""The model's projections, and a weight-streaming Triton GEMV for the few-token steps of decode.
+"""The model's projections, and a weight-streaming Triton GEMV for the one-token steps of decode.
 
 A plain decode step at C = 1 multiplies one token by every weight matrix: it is bound by reading 3.5 GB of
 weights (the medium model), so its floor is the HBM bandwidth. cuBLAS serves ``M = 1`` with split-K GEMM
 kernels plus a reduce launch per call: on the H200 the step's GEMMs took 0.944 ms for 3.46 GB, 3.66 TB/s,
-with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs small-``M`` products as one GEMV
+with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs a one-row product as one GEMV
 launch instead: each program owns ``BLOCK_N`` output columns, streams their weight rows (contiguous in
-``nn.Linear``'s ``[N, K]`` layout) once, multiplies them with all ``M`` input rows, and writes its columns;
-no partial sums leave the program, so there is nothing to reduce afterwards. :func:`linear_silu_mul` does
+``nn.Linear``'s ``[N, K]`` layout) once, multiplies them with the input row, and writes its columns; no
+partial sums leave the program, so there is nothing to reduce afterwards. :func:`linear_silu_mul` does
 the same for the fused gate/up projection and applies SwiGLU before it stores, so the MLP's activation
 needs no launch of its own either.
 
-The GEMV serves 16-bit models only, at ``M <= GEMV_MAX_ROWS``: float32 keeps cuBLAS, so a float32 greedy run
+The GEMV serves 16-bit models only, at ``M <= GEMV_MAX_ROWS`` (one row: at two and more, cuBLAS was faster
+in every shape, bench/RESULTS.md run AB): float32 keeps cuBLAS, so a float32 greedy run
 computes every step's projections with the same library as before and the float32 token-identity checks
 between plain decode and speculation do not hinge on two summation orders. Results equal ``F.linear`` up to
 the order of the float32 sums (the output is rounded to the model dtype once, as cuBLAS rounds it).
@@ -30,88 +31,91 @@ from .fused import silu_mul, triton
 if triton is not None:
     import triton.language as tl
 
-GEMV_MAX_ROWS = 4          # input rows (tokens) up to which the GEMV replaces cuBLAS
+GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS (0: never)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes the GEMV for ``x [M, K]`` (with ``fused``): a 16-bit ``x`` of at most
-    ``GEMV_MAX_ROWS`` rows, a weight of the same dtype, Triton present."""
+    ``GEMV_MAX_ROWS`` rows (one: a matrix-vector product), a weight of the same dtype, Triton present."""
     return (triton is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype in GEMV_DTYPES
             and weight.dtype == x.dtype)
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[m, k] x [n, k]^T`` GEMV.
+def gemv_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, stages)`` for ``weight [n, k] @ x [k]`` (``n`` outputs; with ``silu``
+    each output reads a gate and an up row).
 
     A weight-streaming kernel is fast when enough bytes are in flight on every SM: about 512 programs (four
-    per SM of an H200) of ``BLOCK_N`` rows each, loading ``BLOCK_N x BLOCK_K`` weights per iteration. The
-    float32 accumulator holds ``m x BLOCK_N x BLOCK_K`` values (summed once at the end), kept at 4096 (32
-    registers a thread of 4 warps), so ``BLOCK_K`` shrinks as ``m`` and ``BLOCK_N`` grow.
+    per SM of an H200), each loading ``BLOCK_N x BLOCK_K`` weights (per matrix) per iteration. The float32
+    accumulator holds that many values (summed once at the end), 8192 in all (64 registers a thread of 4
+    warps). Picked from ``bench/gemv_probe.py --sweep`` on the H200 (bench/RESULTS.md).
     """
-    block_n = 16
+    block_k = min(1024, triton.next_power_of_2(k))
+    block_n = max(1, 8192 // block_k // (2 if silu else 1))
     while block_n > 1 and triton.cdiv(n, block_n) < 512:
         block_n //= 2
-    per_k = block_n * triton.next_power_of_2(m)  # accumulator values per k: at most 4096 values in all
-    block_k = max(32, min(512, triton.next_power_of_2(k), 4096 // per_k))
-    return block_n, block_k, 4
+    return block_n, block_k, 4, 1
 
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, up_rows, K: tl.constexpr,
-                     SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """``out[m, n] = sum_k x[m, k] w[n, k]`` for this program's ``BLOCK_N`` columns and every row ``m``.
-        With ``SILU_MUL``, ``w`` is a gate/up weight: column ``n`` is ``silu(gate_n) * up_n``, the up row
-        ``up_rows`` rows below the gate row, each rounded to the dtype first as the torch code rounds."""
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_w, up_rows, K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        """``out[n] = sum_k w[n, k] x[k]`` for this program's ``BLOCK_N`` outputs. With ``SILU_MUL``, ``w`` is a
+        gate/up weight: output ``n`` is ``silu(gate_n) * up_n``, the up row ``up_rows`` rows below the gate
+        row, each rounded to the dtype first as the torch code rounds."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_M)
-        col_in, row_in = cols < N, rows < M
-        x_row = x_ptr + rows[:, None] * stride_x
+        col_in = cols < N
         w_row = w_ptr + cols.to(tl.int64)[:, None] * stride_w
         u_row = w_row + up_rows * stride_w
         # Products accumulate elementwise and are summed over k once at the end: no reduction in the loop.
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K is a constexpr: Triton's interpreter (numpy 2) fails on a runtime bound
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # K is a constexpr: Triton's interpreter (numpy 2) fails on a runtime loop bound, and without a k mask
+        # (K a multiple of BLOCK_K, as every model shape is) the loads vectorise.
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_in = k < K
-            x = tl.load(x_row + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_row + k[None, :], mask=col_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
+            if K % BLOCK_K == 0:
+                inside = col_in[:, None]
+                x = tl.load(x_ptr + k).to(tl.float32)[None, :]
+            else:
+                inside = col_in[:, None] & (k < K)[None, :]
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_row + k[None, :], mask=inside, other=0.0).to(tl.float32) * x
             if SILU_MUL:
-                u = tl.load(u_row + k[None, :], mask=col_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-                acc_up += x[:, None, :] * u[None, :, :]
+                acc_up += tl.load(u_row + k[None, :], mask=inside, other=0.0).to(tl.float32) * x
         dtype = out_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=2)
+        y = tl.sum(acc, axis=1)
         if SILU_MUL:
             g = y.to(dtype).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch's silu rounds to the dtype
-            y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
-                 mask=row_in[:, None] & col_in[None, :])
+            y = act * tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        tl.store(out_ptr + cols, y.to(dtype), mask=col_in)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The Triton GEMV, whatever ``M``: ``F.linear(x, weight)``, or with ``silu`` the SwiGLU of the gate/up
-    product (:func:`linear_silu_mul`). ``config`` overrides :func:`gemv_config`'s ``(BLOCK_N, BLOCK_K,
-    num_warps)`` (``bench/gemv_probe.py`` sweeps it). CUDA, or CPU tensors in Triton's interpreter."""
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The Triton GEMV of one row ``x [1, K]``: ``F.linear(x, weight)``, or with ``silu`` the SwiGLU of the
+    gate/up product (:func:`linear_silu_mul`). ``config`` overrides :func:`gemv_config`'s ``(BLOCK_N,
+    BLOCK_K, num_warps, stages)`` (``bench/gemv_probe.py`` sweeps it). CUDA, or CPU tensors in Triton's
+    interpreter."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"the GEMV multiplies one row: x must be [1, K], got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"the GEMV needs x and weight contiguous in their last dimension, got strides "
                          f"{x.stride()} and {weight.stride()}")
-    m, k = x.shape
+    k = x.shape[1]
     rows, k_w = weight.shape
     if k_w != k:
-        raise ValueError(f"x [{m}, {k}] does not match weight [{rows}, {k_w}]: the last dimensions must agree")
+        raise ValueError(f"x [1, {k}] does not match weight [{rows}, {k_w}]: the last dimensions must agree")
     if silu and rows % 2:
         raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {rows}")
     n = rows // 2 if silu else rows
-    block_n, block_k, warps = config or gemv_config(m, n, k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), n,
-                                             K=k, SILU_MUL=silu, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=warps)
+    block_n, block_k, warps, stages = config or gemv_config(n, k, silu)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), n, K=k, SILU_MUL=silu,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     return out
 
 
@@ -135,7 +139,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch
 class Projection(nn.Module):
     """A bias-free linear layer, ``x @ weight.T``, with ``weight [out_features, in_features]`` as in
     ``nn.Linear``. ``fused`` (kept in step with the model's, see :class:`bench.engine.model.LlamaModel`)
-    lets small-batch calls run :func:`linear`'s GEMV."""
+    lets one-row calls run :func:`linear`'s GEMV."""
 
     def __init__(self, in_features: int, out_features: int, weight: torch.Tensor | None = None):
         super().__init__()

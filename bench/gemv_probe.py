@@ -39,7 +39,7 @@ from bench.engine.gemv import gemv, gemv_config  # noqa: E402
 log = logging.getLogger("gemv_probe")
 
 L2_FLUSH_BYTES = 256 << 20   # weight copies per shape cover this much, so each call reads HBM
-SWEEP = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3)))
+SWEEP = list(itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8), (1, 3)))
 
 
 def sweep_configs(swiglu: bool) -> list[tuple[int, int, int, int]]:
@@ -111,9 +111,11 @@ def probe(shapes, ms, dtype, sweep: bool) -> list[dict]:
                 row["gemv_config"] = list(gemv_config(n_rows // 2 if swiglu else n_rows, k, swiglu))
                 row["gemv"] = time_graph(lambda w: gemv(x, w, silu=swiglu), weights, calls)
                 if sweep:
-                    best = min(((time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls), c)
-                                for c in sweep_configs(swiglu)), key=lambda t: t[0])
-                    row["sweep_best"], row["sweep_config"] = best[0], list(best[1])
+                    timed = {c: time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls)
+                             for c in sweep_configs(swiglu) if c[1] <= k}
+                    best = min(timed, key=timed.get)
+                    row["sweep_best"], row["sweep_config"] = timed[best], list(best)
+                    row["sweep"] = {",".join(map(str, c)): us for c, us in timed.items()}
             rows.append(row)
             log.info("%s", format_row(row))
         del weights

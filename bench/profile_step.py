@@ -174,9 +174,9 @@ def parse_args(argv=None):
                         "(the kernels on CUDA)")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (default: torch's choice)")
-    p.add_argument("--gemv-rows", type=int, default=None,
-                   help="tokens up to which a 16-bit projection runs the engine's Triton GEMV instead of the BLAS "
-                        f"library (default {gemv.GEMV_MAX_ROWS}; 0: the library for every GEMM)")
+    p.add_argument("--small-m", default="triton", choices=["triton", "blas"],
+                   help="16-bit products of 1-16 tokens: the engine's Triton GEMV and skinny GEMM (default), or "
+                        "the BLAS library like every larger GEMM (bench/engine/gemv.py)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     return p.parse_args(argv)
@@ -189,10 +189,7 @@ def main(argv=None) -> int:
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
     blas = select_blas(args.blas, "cuda")
-    if args.gemv_rows is not None:
-        if args.gemv_rows < 0:
-            raise SystemExit(f"--gemv-rows must be >= 0, got {args.gemv_rows}")
-        gemv.GEMV_MAX_ROWS = args.gemv_rows  # read at each projection call, so before the engine captures
+    gemv.set_small_m_kernels(args.small_m == "triton")  # before the engine captures its graphs
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -220,10 +217,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                     "model": args.size, "dtype": args.dtype, "blas": blas,
-                                                    "gemv_rows": gemv.GEMV_MAX_ROWS, "results": results},
+                                                    "small_m": args.small_m, "results": results},
                                                    indent=1, default=str))
     print(f"wrote {out.with_suffix('.json')}")
-    print(f"GEMMs through {blas}, the Triton GEMV up to {gemv.GEMV_MAX_ROWS} tokens")
+    print(f"GEMMs through {blas}; products of 1-16 tokens through {args.small_m}")
     print(table(rows))
     print(kernel_table(rows[-2]))  # the last config's speculative step: what to fuse next
     return 0

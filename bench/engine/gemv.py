@@ -1,23 +1,26 @@
-"""The model's projections, and a weight-streaming Triton GEMV for the one-token steps of decode.
+"""The model's projections, and Triton kernels for the few-token products of decode at low concurrency.
 
 A plain decode step at C = 1 multiplies one token by every weight matrix: it is bound by reading 3.5 GB of
-weights (the medium model), so its floor is the HBM bandwidth. cuBLAS serves ``M = 1`` with split-K GEMM
-kernels plus a reduce launch per call: on the H200 the step's GEMMs took 0.944 ms for 3.46 GB, 3.66 TB/s,
-with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs a one-row product as one GEMV
-launch instead: each program owns ``BLOCK_N`` output columns, streams their weight rows (contiguous in
+weights (the medium model), so its floor is the HBM bandwidth. cuBLAS serves such products with split-K GEMM
+kernels plus a reduce launch per call: on the H200 the plain step's GEMMs took 0.944 ms for 3.46 GB, 3.66
+TB/s, with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs a one-row product as one
+GEMV launch instead: each program owns ``BLOCK_N`` output columns, streams their weight rows (contiguous in
 ``nn.Linear``'s ``[N, K]`` layout) once, multiplies them with the input row, and writes its columns; no
 partial sums leave the program, so there is nothing to reduce afterwards. :func:`linear_silu_mul` does
 the same for the fused gate/up projection and applies SwiGLU before it stores, so the MLP's activation
 needs no launch of its own either.
 
-The GEMV serves 16-bit models only, at ``M <= GEMV_MAX_ROWS`` (one row: at two and more, cuBLAS was faster
-in every shape, bench/RESULTS.md run AB): float32 keeps cuBLAS, so a float32 greedy run
+From 2 to ``SKINNY_MAX_ROWS`` (16) rows (a draft level's or a verify step's tokens at C = 1) the skinny GEMM
+does the same on tensor cores: one 16-row tile of outputs per program, the whole K loop in the program
+(pipelined loads, no split-K, so no reduce launch), SwiGLU in the epilogue where asked.
+
+Both serve 16-bit models only: float32 keeps cuBLAS, so a float32 greedy run
 computes every step's projections with the same library as before and the float32 token-identity checks
 between plain decode and speculation do not hinge on two summation orders. Results equal ``F.linear`` up to
 the order of the float32 sums (the output is rounded to the model dtype once, as cuBLAS rounds it).
 
 :class:`Projection` is the model's linear layer (a bias-free ``nn.Linear`` whose ``fused`` flag, set by
-the model, picks this kernel where it applies); the tensor-parallel layers of :mod:`bench.engine.parallel`
+the model, picks these kernels where they apply); the tensor-parallel layers of :mod:`bench.engine.parallel`
 extend it with their collectives.
 """
 from __future__ import annotations
@@ -35,6 +38,14 @@ GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces c
 SKINNY_MAX_ROWS = 16       # rows up to which the skinny GEMM serves what the GEMV does not (0: never)
 SKINNY_BLOCK_M = 16        # the skinny GEMM's row tile: the smallest tensor-core tile
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def set_small_m_kernels(enabled: bool) -> None:
+    """Turn the Triton kernels for few-token products on (the default) or off for this process: off, every
+    projection runs ``F.linear`` (the library's GEMMs, then the SwiGLU kernel), as the engine did before them.
+    Read at each call, so set it before a pool captures (``bench/profile_step.py --small-m blas``)."""
+    global GEMV_MAX_ROWS, SKINNY_MAX_ROWS
+    GEMV_MAX_ROWS, SKINNY_MAX_ROWS = (1, 16) if enabled else (0, 0)
 
 
 def small_m_kernel(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -69,8 +80,15 @@ def gemv_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]
 
 
 def skinny_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, stages)`` of the skinny GEMM for ``weight [n, k]`` (``n`` outputs)."""
-    return 32, min(128, triton.next_power_of_2(k)), 4, 4
+    """``(BLOCK_N, BLOCK_K, num_warps, stages)`` of the skinny GEMM for ``weight [n, k]`` (``n`` outputs; with
+    ``silu`` two weight tiles a step, so half the k block and fewer stages fit the shared memory). From
+    ``bench/gemv_probe.py --sweep skinny`` on the H200 (run AF in bench/RESULTS.md): at 4 and 16 rows, within
+    1.7 us of the best of 27 configurations at every shape of the medium model, and as fast as cuBLAS (its
+    split-K GEMM and reduce, then the SwiGLU launch) or up to 5.6 us faster, except the qkv projection (160
+    programs on 132 SMs: 0.9-1.5 us slower)."""
+    if silu:
+        return 32, min(128, triton.next_power_of_2(k)), 4, 3
+    return 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
 if triton is not None:
@@ -219,7 +237,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch
 class Projection(nn.Module):
     """A bias-free linear layer, ``x @ weight.T``, with ``weight [out_features, in_features]`` as in
     ``nn.Linear``. ``fused`` (kept in step with the model's, see :class:`bench.engine.model.LlamaModel`)
-    lets one-row calls run :func:`linear`'s GEMV."""
+    lets few-row calls run :func:`linear`'s Triton kernels."""
 
     def __init__(self, in_features: int, out_features: int, weight: torch.Tensor | None = None):
         super().__init__()

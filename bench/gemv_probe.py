@@ -1,20 +1,20 @@
-"""Few-token projections on the GPU: cuBLAS, cuBLASLt and the engine's Triton kernels, per shape of the model.
+"""One-token projections on the GPU: cuBLAS, cuBLASLt and the engine's Triton GEMV, per shape of the model.
 
-A decode step at C = 1 is bound by reading the weights; this probe times each projection of the model
-alone, the way the step runs it (inside a CUDA graph, so no launch cost is measured), with enough weight
-copies that every call reads from HBM rather than from the 50 MB L2 cache. For every shape and ``M``
-(tokens: 1 for plain decode, 4-5 for a draft level, 16 for a verify step at C = 1) it prints microseconds
-per call and the weight bytes per second, for
+A plain decode step at C = 1 is bound by reading the weights; this probe times each projection of the
+model alone, the way the step runs it (inside a CUDA graph, so no launch cost is measured), with enough
+weight copies that every call reads from HBM rather than from the 50 MB L2 cache. For every shape it
+prints microseconds per call of one token (and of ``--m`` tokens through the libraries) and the weight
+bytes per second, for
 
 * ``cublas`` / ``cublaslt``: ``F.linear`` with torch's BLAS library set to each (gate/up: plus the SwiGLU
   kernel the model runs after it);
-* the engine's kernel for that ``M`` (:mod:`bench.engine.gemv`): the GEMV at one token, the skinny GEMM
-  above, at their default configurations, and, with ``--sweep KERNEL...``, the best of a grid of
-  ``(BLOCK_N, BLOCK_K, num_warps, stages)``.
+* ``gemv``: :func:`bench.engine.gemv.gemv` at :func:`bench.engine.gemv.gemv_config`'s choice (what the
+  model runs at one token), and, with ``--sweep``, the best of a grid of ``(BLOCK_N, BLOCK_K, num_warps,
+  stages)``.
 
-Each kernel's result is checked against ``F.linear`` in float32 first. GPU only::
+Each GEMV result is checked against ``F.linear`` in float32 first. GPU only::
 
-    python bench/gemv_probe.py --sweep gemv skinny --json out/gemv_probe.json
+    python bench/gemv_probe.py --sweep --json out/gemv_probe.json
 """
 from __future__ import annotations
 
@@ -34,25 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.engine.config import ModelConfig, dtype_from_name  # noqa: E402
 from bench.engine.fused import silu_mul  # noqa: E402
-from bench.engine.gemv import SMALL_M_KERNELS, gemv_config, skinny_config  # noqa: E402
+from bench.engine.gemv import gemv, gemv_config  # noqa: E402
 
 log = logging.getLogger("gemv_probe")
-CONFIGS = {"gemv": gemv_config, "skinny": skinny_config}
 
 L2_FLUSH_BYTES = 256 << 20   # weight copies per shape cover this much, so each call reads HBM
-GRIDS = {  # (BLOCK_N, BLOCK_K, num_warps, stages) the sweep tries, per kernel
-    "gemv": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8), (1, 3))),
-    "skinny": list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 6))),
-}
+SWEEP = list(itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8), (1, 3)))
 
 
-def sweep_configs(kernel: str, swiglu: bool) -> list[tuple[int, int, int, int]]:
-    """The kernel's grid; for the GEMV, less configurations over 64 float32 accumulator registers a thread
-    (they spill)."""
-    grid = GRIDS[kernel]
-    if kernel == "gemv":
-        grid = [c for c in grid if c[0] * c[1] * (2 if swiglu else 1) <= 64 * 32 * c[2]]
-    return grid
+def sweep_configs(swiglu: bool) -> list[tuple[int, int, int, int]]:
+    """The grid, less configurations over 64 float32 accumulator registers a thread (they spill)."""
+    return [c for c in SWEEP if c[0] * c[1] * (2 if swiglu else 1) <= 64 * 32 * c[2]]
 
 
 def model_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, int, int, bool]]:
@@ -94,7 +86,7 @@ def blas_fn(x: torch.Tensor, swiglu: bool):
     return lambda w: F.linear(x, w)
 
 
-def probe(shapes, ms, dtype, sweep: list[str]) -> list[dict]:
+def probe(shapes, ms, dtype, sweep: bool) -> list[dict]:
     rows = []
     for name, n_rows, k, swiglu in shapes:
         nbytes = n_rows * k * dtype.itemsize
@@ -110,27 +102,20 @@ def probe(shapes, ms, dtype, sweep: list[str]) -> list[dict]:
                 torch.backends.cuda.preferred_blas_library(lib)
                 row[lib] = time_graph(blas_fn(x, swiglu), weights, calls)
             torch.backends.cuda.preferred_blas_library("default")
-            kernel = "gemv" if m == 1 else "skinny"
-            fn = SMALL_M_KERNELS[kernel]
-            got = fn(x, weights[0], silu=swiglu)
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            if err > 2e-2:
-                raise AssertionError(f"{name} M={m}: the {kernel} kernel differs from F.linear by {err:.3g} (relative)")
-            row.update(kernel=kernel, kernel_rel_err=err)
-            row["kernel_config"] = list(CONFIGS[kernel](n_rows // 2 if swiglu else n_rows, k, swiglu))
-            row["kernel_us"] = time_graph(lambda w: fn(x, w, silu=swiglu), weights, calls)
-            if kernel in sweep:
-                timed = {}
-                for c in sweep_configs(kernel, swiglu):
-                    if c[1] > k:
-                        continue
-                    try:
-                        timed[c] = time_graph(lambda w, c=c: fn(x, w, silu=swiglu, config=c), weights, calls)
-                    except Exception as e:  # a config over the shared-memory or register budget fails to compile
-                        log.debug("%s %s: %s", name, c, e)
-                best = min(timed, key=timed.get)
-                row["sweep_best"], row["sweep_config"] = timed[best], list(best)
-                row["sweep"] = {",".join(map(str, c)): us for c, us in timed.items()}
+            if m == 1:
+                got = gemv(x, weights[0], silu=swiglu)
+                err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                if err > 2e-2:
+                    raise AssertionError(f"{name}: GEMV differs from F.linear by {err:.3g} (relative)")
+                row["gemv_rel_err"] = err
+                row["gemv_config"] = list(gemv_config(n_rows // 2 if swiglu else n_rows, k, swiglu))
+                row["gemv"] = time_graph(lambda w: gemv(x, w, silu=swiglu), weights, calls)
+                if sweep:
+                    timed = {c: time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls)
+                             for c in sweep_configs(swiglu) if c[1] <= k}
+                    best = min(timed, key=timed.get)
+                    row["sweep_best"], row["sweep_config"] = timed[best], list(best)
+                    row["sweep"] = {",".join(map(str, c)): us for c, us in timed.items()}
             rows.append(row)
             log.info("%s", format_row(row))
         del weights
@@ -142,24 +127,23 @@ def format_row(r: dict) -> str:
     tbs = lambda us: r["mbytes"] / us  # MB / us = TB/s  # noqa: E731
     line = (f"{r['shape']:<13}{r['m']:>3}{r['mbytes']:>8.1f}{r['cublas']:>9.1f}{r['cublaslt']:>9.1f}"
             f"  {tbs(min(r['cublas'], r['cublaslt'])):>5.2f}")
-    line += f"{r['kernel']:>7}{r['kernel_us']:>8.1f} {tbs(r['kernel_us']):>5.2f}  {str(tuple(r['kernel_config'])):<18}"
+    if "gemv" in r:
+        line += f"{r['gemv']:>8.1f} {tbs(r['gemv']):>5.2f}  {str(tuple(r['gemv_config'])):<18}"
     if "sweep_best" in r:
         line += f"{r['sweep_best']:>7.1f} {str(tuple(r['sweep_config']))}"
     return line
 
 
-HEADER = (f"{'shape':<13}{'M':>3}{'MB':>8}{'cublas':>9}{'cublaslt':>9}  {'TB/s':>5}{'kernel':>7}{'us':>8} {'TB/s':>5}  "
-          f"{'config':<18}{'sweep':>7} best config   (us per call)")
+HEADER = (f"{'shape':<13}{'M':>3}{'MB':>8}{'cublas':>9}{'cublaslt':>9}  {'TB/s':>5}{'gemv':>8} {'TB/s':>5}  "
+          f"{'gemv config':<18}{'sweep':>7} best config   (us per call)")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp16 (the GEMV serves 16-bit models)")
-    ap.add_argument("--m", default="1,4,16", help="tokens per call, comma-separated (the GEMV runs at 1, the "
-                    "skinny GEMM above)")
+    ap.add_argument("--m", default="1,2", help="tokens per call, comma-separated (the GEMV runs at 1)")
     ap.add_argument("--tp", type=int, default=1, help="per-rank shapes of this tensor-parallel degree")
-    ap.add_argument("--sweep", nargs="*", default=[], choices=sorted(GRIDS),
-                    help="also time a grid of configurations of these kernels, per shape and M")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of GEMV configurations per shape")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

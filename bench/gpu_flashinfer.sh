@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 11 on one H200 in one call (~5 min): FlashInfer's JIT compile (timed, then excluded), the C = 1
-# step profile (also with every GEMM through cuBLAS instead of the Triton kernels at 1-16 tokens),
+# step profile (also with every GEMM through cuBLAS instead of the Triton GEMV at one token),
 # the GPU tests of the engine's kernels, FlashInfer attention and the decode loop, and the decode-loop sweeps with
 # --attention flashinfer and torch, then flashinfer with --draft-select torch (the speculative step's
 # selection and acceptance as torch ops instead of the default fused kernels; quick set of C, with the
@@ -62,10 +62,10 @@ EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
-# Both steps are GEMM-bound: the same profile with every GEMM through cuBLAS (no Triton GEMV or skinny GEMM
-# at 1-16 tokens: the engine before them). bench/gemv_probe.py times each shape (cuBLASLt = cuBLAS, run AB).
-stage "profile (C = 1) --small-m blas" 45 python3 bench/profile_step.py --configs flashinfer:fused \
-  --small-m blas --out "$OUT/profile_step_blas"
+# The plain step is GEMM-bound: the same profile with every GEMM through cuBLAS (no Triton GEMV at one token:
+# the engine before it). bench/gemv_probe.py times each shape (cuBLASLt = cuBLAS, run AB).
+stage "profile (C = 1) --gemv off" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --gemv off --out "$OUT/profile_step_blas"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.

@@ -50,7 +50,7 @@ CATEGORIES = [  # first match wins
     ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level|embed_rmsnorm|argmax_rows|select|accept|rope_q_store_kv)_kernel")),
     ("attention", re.compile(r"flashinfer|BatchPrefill|BatchDecode|PrefillWith|DecodeWith|MergeStates|fmha|flash|"
                              r"attention|efficient", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),  # _gemv_kernel too
     ("copy", re.compile(r"memcpy|memset", re.I)),
 ]
 STEP_MARK = "_stage_kernel"  # graphpool's staging kernel: the first node of every step graph
@@ -174,9 +174,9 @@ def parse_args(argv=None):
                         "(the kernels on CUDA)")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (default: torch's choice)")
-    p.add_argument("--small-m", default="triton", choices=["triton", "blas"],
-                   help="16-bit products of 1-16 tokens: the engine's Triton GEMV and skinny GEMM (default), or "
-                        "the BLAS library like every larger GEMM (bench/engine/gemv.py)")
+    p.add_argument("--gemv", default="on", choices=["on", "off"],
+                   help="16-bit products of one token through the engine's Triton GEMV (on, the default) or the "
+                        "BLAS library like every other GEMM (bench/engine/gemv.py)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     return p.parse_args(argv)
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
     blas = select_blas(args.blas, "cuda")
-    gemv.set_small_m_kernels(args.small_m == "triton")  # before the engine captures its graphs
+    gemv.use_gemv(args.gemv == "on")  # before the engine captures its graphs
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -217,10 +217,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                     "model": args.size, "dtype": args.dtype, "blas": blas,
-                                                    "small_m": args.small_m, "results": results},
+                                                    "gemv": args.gemv, "results": results},
                                                    indent=1, default=str))
     print(f"wrote {out.with_suffix('.json')}")
-    print(f"GEMMs through {blas}; products of 1-16 tokens through {args.small_m}")
+    print(f"GEMMs through {blas}; the Triton GEMV at one token {args.gemv}")
     print(table(rows))
     print(kernel_table(rows[-2]))  # the last config's speculative step: what to fuse next
     return 0

@@ -31,8 +31,9 @@ def test_analyse_splits_steps_at_the_staging_kernel_and_measures_busy_idle_and_h
 
 def test_categories_and_union():
     assert [profile_step.category(n) for n in ("_rope_qk_kernel", "_stage_kernel", "sm90_xmma_gemm_bf16",
-                                                "fmha_cutlassF_bf16_aligned", "void at::native::reduce_kernel")] == \
-        ["triton", "staging", "gemm", "attention", "other"]
+                                                "fmha_cutlassF_bf16_aligned", "void at::native::reduce_kernel",
+                                                "_gemv_kernel")] == \
+        ["triton", "staging", "gemm", "attention", "other", "gemm"]  # the engine's GEMV counts as a GEMM
     assert profile_step.union_us([(0, 10), (5, 12), (20, 21)]) == 13
 
 
@@ -49,3 +50,14 @@ def test_cpu_run_says_it_needs_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")
     assert profile_step.main([]) == 0 and "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_gemv_probe_cpu_run_says_it_needs_a_gpu(capsys):
+    import torch
+
+    from bench import gemv_probe
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    assert gemv_probe.main([]) == 1 and "needs a CUDA GPU" in capsys.readouterr().out
+    shapes = gemv_probe.model_shapes(gemv_probe.ModelConfig.medium(), 2)
+    assert ("gate_up+silu", 14336, 4096, True) in shapes and ("down", 4096, 7168, False) in shapes

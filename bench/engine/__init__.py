@@ -14,6 +14,8 @@ Stable pieces (import them on their own):
   metadata built in the graph by :mod:`bench.engine.fi_meta` (Triton kernels with torch references).
 * :mod:`bench.engine.fused`: fused Triton kernels for the embedding lookup with the first norm, the norms, rotary
   embedding, SwiGLU, KV store and the greedy argmax.
+* :mod:`bench.engine.gemv`: the model's projections (:class:`~bench.engine.gemv.Projection`) and the Triton GEMV that
+  runs their one-token products (plain decode at C = 1) in 16-bit models.
 * :mod:`bench.engine.draft_select`, :mod:`bench.engine.tree_kernels`: the speculative step's selection work (each
   draft level's top-k and next beam, the tree's selection, the greedy acceptance with its commit) as one Triton
   kernel each, beside the torch code of :mod:`bench.engine.tree` they replace (``SpecConfig.draft_select``).

@@ -20,7 +20,8 @@ decode step is partly bound by its kernel count). A callable without ``kv_sink``
 always gets tensors. :class:`bench.engine.attention.PagedAttention` is the graph-safe paged implementation;
 it and :class:`bench.engine.fi_attention.FlashInferAttention` have ``kv_sink``. Norms, rotary embeddings,
 SwiGLU, the embedding lookup (with the first norm) and the greedy argmax run as fused Triton kernels where
-``model.fused`` (CUDA; :mod:`bench.engine.fused`), as plain torch elsewhere; ``v`` reaches the attention as
+``model.fused`` (CUDA; :mod:`bench.engine.fused`), as plain torch elsewhere; with it, the projections of a
+single token run the GEMV of :mod:`bench.engine.gemv` in 16-bit models; ``v`` reaches the attention as
 a view into the qkv projection (rows strided).
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ bytes per second, for
   model runs at one token), and, with ``--sweep``, the best of a grid of ``(BLOCK_N, BLOCK_K, num_warps,
   stages)``.
 
-Each GEMV result is checked against ``F.linear`` in float32 first. GPU only::
+Every GEMV configuration, the swept ones too, is checked against ``F.linear`` in float32 before it is timed. GPU only::
 
     python bench/gemv_probe.py --sweep --json out/gemv_probe.json
 """
@@ -86,6 +86,17 @@ def blas_fn(x: torch.Tensor, swiglu: bool):
     return lambda w: F.linear(x, w)
 
 
+def check(x: torch.Tensor, w: torch.Tensor, swiglu: bool, want: torch.Tensor, config, name: str) -> float:
+    """The GEMV's relative error against ``want`` (``F.linear`` in float32) at ``config``; raises above 2 %,
+    so a configuration that computes something else is never timed, let alone picked."""
+    got = gemv(x, w, silu=swiglu, config=config)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    if err > 2e-2:
+        raise AssertionError(f"{name}: the GEMV at {config or 'its default config'} differs from F.linear by "
+                             f"{err:.3g} (relative)")
+    return err
+
+
 def probe(shapes, ms, dtype, sweep: bool) -> list[dict]:
     rows = []
     for name, n_rows, k, swiglu in shapes:
@@ -103,16 +114,14 @@ def probe(shapes, ms, dtype, sweep: bool) -> list[dict]:
                 row[lib] = time_graph(blas_fn(x, swiglu), weights, calls)
             torch.backends.cuda.preferred_blas_library("default")
             if m == 1:
-                got = gemv(x, weights[0], silu=swiglu)
-                err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                if err > 2e-2:
-                    raise AssertionError(f"{name}: GEMV differs from F.linear by {err:.3g} (relative)")
-                row["gemv_rel_err"] = err
+                row["gemv_rel_err"] = check(x, weights[0], swiglu, want, None, name)
                 row["gemv_config"] = list(gemv_config(n_rows // 2 if swiglu else n_rows, k, swiglu))
                 row["gemv"] = time_graph(lambda w: gemv(x, w, silu=swiglu), weights, calls)
                 if sweep:
-                    timed = {c: time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls)
-                             for c in sweep_configs(swiglu) if c[1] <= k}
+                    timed = {}
+                    for c in (c for c in sweep_configs(swiglu) if c[1] <= k):
+                        check(x, weights[0], swiglu, want, c, name)
+                        timed[c] = time_graph(lambda w, c=c: gemv(x, w, silu=swiglu, config=c), weights, calls)
                     best = min(timed, key=timed.get)
                     row["sweep_best"], row["sweep_config"] = timed[best], list(best)
                     row["sweep"] = {",".join(map(str, c)): us for c, us in timed.items()}

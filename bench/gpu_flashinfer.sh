@@ -6,7 +6,7 @@
 # selection and acceptance as torch ops instead of the default fused kernels; quick set of C, with the
 # float32 greedy identity check). Everything goes to $OUT (or ./out): run.log (all output),
 # profile_step{,_blas}.json, trace_spec.json.gz, decode_{flashinfer,torch,flashinfer_torch_select}.{json,png}
-# (11 files; the device tool returns 8: remove the trace and the plots at the end of the call). The summary table
+# (10 files; the device tool returns 8: remove the trace and the plots at the end of the call). The summary table
 # comes last. Each stage has a time limit, and
 # the limits add up to 10 minutes at most; expected total ~5 minutes after the wheels are installed.
 #

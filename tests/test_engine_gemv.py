@@ -1,4 +1,4 @@
-"""The small-M Triton GEMV of the model's projections (bench/engine/gemv.py) against torch's F.linear.
+"""The one-token Triton GEMV of the model's projections (bench/engine/gemv.py) against torch's F.linear.
 
 On CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); on the GPU the
 same tests run compiled, plus the model's shapes inside a CUDA graph against eager calls."""
@@ -65,12 +65,15 @@ def test_gemv_reads_a_row_of_a_wider_tensor():
     _close(gemv.linear(row, w, fused=True), F.linear(row.float(), w.float()), dtype)
 
 
-def test_gemv_configs_agree():
-    """Every (BLOCK_N, BLOCK_K, warps, stages) computes the same product (the probe may pick any of them)."""
-    x, w = _operands(1, 50, 300, torch.bfloat16, seed=4)
-    want = F.linear(x.float(), w.float())
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_configs_agree(silu):
+    """Every (BLOCK_N, BLOCK_K, warps, stages) computes the same product, the SwiGLU one too (its up rows are
+    ``N / 2`` below the gate rows, with masked columns where ``BLOCK_N`` does not divide 45): the probe may
+    pick any of them."""
+    x, w = _operands(1, 90, 300, torch.bfloat16, seed=4)
+    want = silu_mul(F.linear(x, w), fused=False) if silu else F.linear(x.float(), w.float())
     for config in [(1, 32, 1, 1), (4, 128, 4, 3), (16, 64, 4, 1), (8, 512, 8, 3)]:
-        _close(gemv.gemv(x, w, config=config), want, torch.bfloat16)
+        _close(gemv.gemv(x, w, silu=silu, config=config), want, torch.bfloat16, ulps=3 if silu else 1)
 
 
 def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply():
@@ -105,6 +108,10 @@ def test_gemv_rejects_bad_shapes():
         gemv.gemv(x, w[:15], silu=True)
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
         gemv.gemv(x, w.t().contiguous().t())
+    # linear() does not take the GEMV for such operands: F.linear accepts any strides
+    wide = torch.cat([x, x], dim=1)[:, ::2]
+    assert not gemv.gemv_applies(wide, w) and not gemv.gemv_applies(x, w.t().contiguous().t())
+    assert torch.equal(gemv.linear(wide, w, fused=True), F.linear(wide, w))
     with pytest.raises(ValueError, match=r"x must be \[1, K\]"):
         gemv.gemv(torch.cat([x, x]), w)
     with pytest.raises(ValueError, match=r"weight must be \[8, 4\]"):
@@ -136,6 +143,44 @@ def test_model_flag_reaches_every_projection_and_forward_matches_torch(monkeypat
     assert calls == [False, False, True, False] * cfg.num_layers + [False]
     # bf16 through two layers: logits agree to a few bf16 ulps of their scale (argmax may flip on near-ties)
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
+def rank_shards_a_fused_model(tp) -> tuple[list[str], float]:
+    """On each rank: a fused bf16 tiny model and its draft, sharded; every projection's type and flag, and
+    the sharded one-token forward (GEMV + collectives) against the unsharded one (relative max difference)."""
+    from bench.engine.attention import reference_attention
+    from bench.engine.model import build_draft
+
+    def dense(layer_id, q, k, v):
+        return reference_attention(q, k, v, torch.ones(1, 1, dtype=torch.bool))
+
+    cfg = ModelConfig.tiny()
+    full = build_target(cfg, seed=11, dtype=torch.bfloat16, kernels="torch")
+    full.fused = True
+    ids, pos = torch.tensor([42]), torch.tensor([0])
+    want = full.logits(full(ids, pos, dense))
+    model = build_target(cfg, seed=11, dtype=torch.bfloat16, kernels="torch")
+    model.fused = True  # as the engine does: the fused target, its draft from the full target, then both sharded
+    draft = tp.shard(build_draft(model))
+    tp.shard(model)
+    seen = [f"{type(p).__name__}:{p.fused}" for m in (model, draft) for p in m.modules()
+            if isinstance(p, gemv.Projection)]
+    got = model.logits(model(ids, pos, dense))
+    return seen, ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.timeout(240)
+def test_tp_shard_keeps_the_models_kernel_choice_cpu():
+    """tp.shard swaps every projection for a TP layer: each takes the model's ``fused`` flag (so a sharded
+    model still runs the GEMV), the draft built from it too, and the sharded forward equals the unsharded."""
+    from bench.engine.tp_launch import spawn
+    for seen, rel in spawn(rank_shards_a_fused_model, 2, backend="gloo", timeout_s=200):
+        layers = ModelConfig.tiny().num_layers
+        tp_layers = ["ColumnParallelLinear:True", "RowParallelLinear:True"] * 2 * layers + ["VocabParallelHead:True"]
+        assert seen[:len(tp_layers)] == tp_layers
+        draft = ["ColumnParallelLinear:True", "RowParallelLinear:True"] * 2 + ["VocabParallelHead:True"]
+        assert seen[len(tp_layers):] == draft  # the draft: one layer and its head
+        assert rel < 0.05  # bf16 partial sums all-reduced in another order
 
 
 @pytest.mark.gpu

@@ -47,9 +47,10 @@ def use_gemv(enabled: bool) -> None:
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes the GEMV for ``x [M, K]`` (with ``fused``): a 16-bit ``x`` of at most
-    ``GEMV_MAX_ROWS`` rows (one: a matrix-vector product), a weight of the same dtype, Triton present."""
+    ``GEMV_MAX_ROWS`` rows (one: a matrix-vector product), a weight of the same dtype, both contiguous in
+    their last dimension (anything else goes to ``F.linear``, which takes any strides), Triton present."""
     return (triton is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype in GEMV_DTYPES
-            and weight.dtype == x.dtype)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
 def gemv_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]:

@@ -134,12 +134,12 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.fused = False  # Triton kernels for the lookup, norms, rotary, SwiGLU and argmax (see resolve_kernels)
+        self.fused = False  # Triton kernels: lookup, norms, rotary, SwiGLU, argmax, one-token GEMV (resolve_kernels)
 
     @property
     def fused(self) -> bool:
         """Whether the forward runs the Triton kernels (:func:`resolve_kernels`). Setting it sets every
-        projection's flag too (their small-batch GEMV, :mod:`bench.engine.gemv`)."""
+        projection's flag too (their one-token GEMV, :mod:`bench.engine.gemv`)."""
         return self._fused
 
     @fused.setter

@@ -7,8 +7,10 @@ step (a step starts at its graph's staging kernel, graphpool's first node):
 
 * kernels per step, and the GPU busy time (union of kernel and copy intervals) by category: GEMM,
   attention, the engine's Triton kernels, staging, copies, other torch kernels;
-* the step period (staging kernel to staging kernel) and the GPU idle time in it (period - busy): time
-  the GPU waited for the host;
+* the step period (staging kernel to staging kernel) and the GPU idle time in it (period - busy), and
+  where it waited: each gap of at least ``MIN_WAIT_US`` with the kernels before and after it (a gap before
+  the next step's staging kernel is the GPU waiting for the host's next launch; one inside the step is
+  the step's own);
 * host time per step: the interval between the host's graph launches (inflated by the profiler's own
   per-op cost; the unprofiled step time is printed beside it).
 
@@ -55,6 +57,9 @@ CATEGORIES = [  # first match wins
 ]
 STEP_MARK = "_stage_kernel"  # graphpool's staging kernel: the first node of every step graph
 TOP_KERNELS = 30  # kernel names kept per step kind, by GPU time
+TOP_WAITS = 8     # GPU waits kept per step kind, by time
+MIN_WAIT_US = 2.0  # a gap between kernels counted as a wait (launch gaps inside a graph are ~1 us)
+NEXT_STEP = "(next step)"
 VARIANTS = [("plain", "plain", 1), ("spec", "spec", 1), ("spec, sync per step", "spec", 0)]
 
 
@@ -78,6 +83,22 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
+def step_waits(inside: list[tuple[str, float, float]], end: float) -> list[tuple[str, str, float]]:
+    """The GPU's waits in one step: ``(kernel before, kernel after, us)`` for every gap of at least
+    ``MIN_WAIT_US`` between the union of the step's kernels and copies, and up to the next step's start
+    (``end``; the kernel after it is ``NEXT_STEP``). Where the GPU waits says on what: a gap at the step's end
+    is the host not having launched the next step yet; one inside the step is the graph's own."""
+    waits, last_name, last_end = [], None, None
+    for name, s, e in sorted(inside, key=lambda x: x[1]):
+        if last_end is not None and s - last_end >= MIN_WAIT_US:
+            waits.append((last_name, name, s - last_end))
+        if last_end is None or e > last_end:
+            last_name, last_end = name, min(e, end)
+    if last_end is not None and end - last_end >= MIN_WAIT_US:
+        waits.append((last_name, NEXT_STEP, end - last_end))
+    return waits
+
+
 def analyse(device_events: list[tuple[str, float, float]], launches: list[float], skip: int) -> dict:
     """Per-step medians from a GPU timeline.
 
@@ -92,12 +113,15 @@ def analyse(device_events: list[tuple[str, float, float]], launches: list[float]
     marks = [s for name, s, _ in events if STEP_MARK in name][skip:]
     if len(marks) < 2:
         return {"steps": 0}
-    per_step, by_name = [], {}
+    per_step, by_name, by_wait = [], {}, {}
     for a, b in zip(marks, marks[1:]):
         inside = [(n, s, e) for n, s, e in events if a <= s < b]
         for n, s, e in inside:
             count, us = by_name.get(n, (0, 0.0))
             by_name[n] = (count + 1, us + min(e, b) - s)
+        for before, after, us in step_waits(inside, b):
+            count, total = by_wait.get((before, after), (0, 0.0))
+            by_wait[(before, after)] = (count + 1, total + us)
         kernels = [x for x in inside if category(x[0]) != "copy"]
         cats = {}
         for n, s, e in inside:
@@ -114,6 +138,8 @@ def analyse(device_events: list[tuple[str, float, float]], launches: list[float]
     steps = len(per_step)
     out["top_kernels"] = [{"name": n, "per_step": c / steps, "us_per_step": us / steps}
                           for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]]
+    out["top_waits"] = [{"after": before, "before": after, "per_step": c / steps, "us_per_step": us / steps}
+                        for (before, after), (c, us) in sorted(by_wait.items(), key=lambda kv: -kv[1][1])[:TOP_WAITS]]
     return out
 
 
@@ -227,10 +253,15 @@ def main(argv=None) -> int:
 
 
 def kernel_table(row: dict) -> str:
-    """The step's kernels by GPU time: launches and microseconds per step, name shortened."""
+    """The step's kernels by GPU time: launches and microseconds per step, name shortened; then where the
+    GPU waited (gaps of at least ``MIN_WAIT_US``): times and microseconds per step, between which kernels."""
     lines = [f"top kernels of {row['config']} {row['step']} (per step): launches, us, name"]
     for k in row.get("top_kernels", []):
         lines.append(f"{k['per_step']:>6.1f} {k['us_per_step']:>8.1f}  {k['name'][:110]}")
+    lines.append(f"GPU waits >= {MIN_WAIT_US:g} us of {row['config']} {row['step']} (per step): times, us, "
+                 "after -> before")
+    for w in row.get("top_waits", []):
+        lines.append(f"{w['per_step']:>6.1f} {w['us_per_step']:>8.1f}  {w['after'][:60]} -> {w['before'][:60]}")
     return "\n".join(lines)
 
 

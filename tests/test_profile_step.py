@@ -27,6 +27,21 @@ def test_analyse_splits_steps_at_the_staging_kernel_and_measures_busy_idle_and_h
     assert "prefill_gemm" not in top and "nvjet_hsh_128x64" in profile_step.kernel_table(
         {"config": "c", "step": "spec", **got})
     assert profile_step.analyse(events[:3], [], skip=1) == {"steps": 0}
+    # Where the GPU waited: 20 us after the attention kernel until the next step's staging kernel.
+    waits = got["top_waits"]
+    assert waits == [{"after": "BatchPrefillWithPagedKVCacheKernel", "before": profile_step.NEXT_STEP,
+                      "per_step": 1, "us_per_step": pytest.approx(20)}]
+    assert "BatchPrefillWithPagedKVCacheKernel -> (next step)" in profile_step.kernel_table(
+        {"config": "c", "step": "spec", **got})
+
+
+def test_step_waits_names_the_kernels_around_each_gap():
+    # a copy overlapping the first kernel does not end the busy span early; gaps under MIN_WAIT_US are launch gaps
+    inside = [("a", 0, 10), ("copy", 5, 8), ("b", 10.5, 20), ("c", 30, 40), ("d", 41, 45)]
+    assert profile_step.step_waits(inside, end=45) == [("b", "c", pytest.approx(10))]
+    assert profile_step.step_waits(inside, end=60) == [("b", "c", pytest.approx(10)),
+                                                       ("d", profile_step.NEXT_STEP, pytest.approx(15))]
+    assert profile_step.step_waits([], end=10) == []
 
 
 def test_categories_and_union():

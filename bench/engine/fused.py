@@ -148,15 +148,21 @@ if triton is not None:
         tl.store(v_cache_ptr + row + vh * (2 * HALF) + d, v, mask=is_v)
 
     @triton.jit
+    def swiglu(gate, up):
+        """``silu(gate) * up`` in float32 from ``gate`` and ``up`` in the model dtype, rounded as the torch code
+        rounds: silu in float32, rounded to the dtype, then the product (the caller rounds that)."""
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch's silu rounds to the dtype
+        return act * up.to(tl.float32)
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < n_cols
-        g_raw = tl.load(gu_ptr + row * stride_gu + cols, mask=inside, other=0.0)
-        g = g_raw.to(tl.float32)
-        u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)  # torch's silu rounds to the dtype
-        tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=inside)
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=inside, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=inside, other=0.0)
+        tl.store(out_ptr + row * stride_out + cols, swiglu(g, u).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_k, stride_v,

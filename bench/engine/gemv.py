@@ -33,6 +33,8 @@ from .fused import silu_mul, triton
 if triton is not None:
     import triton.language as tl
 
+    from .fused import swiglu
+
 GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS (0: never)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -94,10 +96,8 @@ if triton is not None:
                 acc_up += tl.load(u_row + k[None, :], mask=inside, other=0.0).to(tl.float32) * x
         dtype = out_ptr.dtype.element_ty
         y = tl.sum(acc, axis=1)
-        if SILU_MUL:
-            g = y.to(dtype).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch's silu rounds to the dtype
-            y = act * tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        if SILU_MUL:  # gate and up rounded to the dtype first, as cuBLAS rounds them on the torch path
+            y = swiglu(y.to(dtype), tl.sum(acc_up, axis=1).to(dtype))
         tl.store(out_ptr + cols, y.to(dtype), mask=col_in)
 
 

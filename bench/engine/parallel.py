@@ -137,11 +137,11 @@ class TensorParallel:
             w = layer.qkv_proj.weight
             q, k, v = w.split([q_dim, kv_dim, kv_dim])
             layer.qkv_proj = ColumnParallelLinear.of(torch.cat([q[r * lq:(r + 1) * lq], k[r * lkv:(r + 1) * lkv],
-                                                             v[r * lkv:(r + 1) * lkv]]))
+                                                                v[r * lkv:(r + 1) * lkv]]))
             layer.o_proj = RowParallelLinear.of(layer.o_proj.weight[:, r * lq:(r + 1) * lq], self)
             gate, up = layer.gate_up_proj.weight.chunk(2)
             layer.gate_up_proj = ColumnParallelLinear.of(torch.cat([gate[r * inter:(r + 1) * inter],
-                                                                 up[r * inter:(r + 1) * inter]]))
+                                                                    up[r * inter:(r + 1) * inter]]))
             layer.down_proj = RowParallelLinear.of(layer.down_proj.weight[:, r * inter:(r + 1) * inter], self)
             layer.num_heads, layer.num_kv_heads = heads, kv_heads
         vocab = cfg.vocab_size // n

@@ -200,11 +200,12 @@ def parse_args(argv=None):
                         "(the kernels on CUDA)")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (default: torch's choice)")
-    p.add_argument("--gemv", default="on", choices=["on", "off"],
+    p.add_argument("--gemv", default="on", choices=["on", "off", "decode"],
                    help="16-bit products of one token through the engine's Triton GEMV (on, the default) or the "
-                        "BLAS library like every other GEMM (bench/engine/gemv.py)")
+                        "BLAS library like every other GEMM (bench/engine/gemv.py), or only in the plain decode graphs")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
+    p.add_argument("--trace-all", action="store_true", help="with --trace: every variant's trace, named by variant")
     return p.parse_args(argv)
 
 
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
     blas = select_blas(args.blas, "cuda")
-    gemv.use_gemv(args.gemv == "on")  # before the engine captures its graphs
+    gemv.use_gemv(args.gemv != "off")  # before the engine captures its graphs
+    gemv_modes = ("decode",) if args.gemv == "decode" else None
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -225,12 +227,16 @@ def main(argv=None) -> int:
     for i, (attention, kernels) in enumerate(configs):
         started = time.perf_counter()
         engine, pool = build(cfg, spec, [1], args.prompt_len, args.max_new, "cuda", dtype_from_name(args.dtype),
-                             attention=attention, kernels=kernels)
+                             attention=attention, kernels=kernels, gemv_modes=gemv_modes)
         keys = key_len(engine.max_context, 1)
         roof = {"plain": plain_step(cfg, 1, keys).seconds * 1e3, "spec": spec_step(cfg, spec, 1, keys).seconds * 1e3}
         print(f"{attention}/{kernels}: built and captured in {time.perf_counter() - started:.1f} s", flush=True)
         for label, variant, ahead in VARIANTS:
-            trace = Path(args.trace) if args.trace and i == len(configs) - 1 and label == "spec" else None
+            trace = None
+            if args.trace and i == len(configs) - 1 and (label == "spec" or args.trace_all):
+                trace = Path(args.trace)
+                if label != "spec":  # --trace-all: the other variants beside it, named by variant
+                    trace = trace.with_name(trace.name.split(".")[0] + "_" + re.sub(r"\W+", "_", label) + ".json.gz")
             r = profile_variant(engine, pool, variant, ahead, args.warmup, args.steps, args.max_new, trace)
             r.update(config=f"{attention}/{kernels}", step=label, roofline_ms=roof[variant])
             results[f"{attention}/{kernels}/{label}"] = r

@@ -191,3 +191,26 @@ def _check_every_step_replays(device, tp=None):
         make_requests(5, PROMPT, CFG.vocab_size, 6, 12), 4)
     steps = st.steps["decode"] + st.steps["verify"]
     assert pool.stats.replays - before >= steps and not pool.stats.misses
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 1500])
+def test_advance_lengths_kernel_matches_torch(n):
+    """The run-ahead loop's one launch after a verify step (next seq_lens on the device, the accept lengths
+    into the host buffer) against the torch ops it replaces; on CPU in Triton's interpreter, on the GPU
+    into pinned memory read after an event, as the loop reads it."""
+    from bench.engine.transfer import advance_lengths, triton
+    if triton is None:
+        pytest.skip("needs Triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(1, 4000, (n,), generator=g).to(device)
+    accepted = torch.randint(1, 6, (n,), generator=g).to(device)
+    nxt = torch.full((n,), -1, dtype=torch.int64, device=device)
+    host = torch.full((n,), -1, dtype=torch.int64, pin_memory=device == "cuda")
+    advance_lengths(lens, accepted, nxt, host, kernel=True)
+    if device == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+    assert torch.equal(nxt, lens + accepted)
+    assert torch.equal(host, accepted.cpu())

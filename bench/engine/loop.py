@@ -29,7 +29,7 @@ import torch
 from graphpool import GraphPool, SpeculationPolicy, StepBatch
 
 from .engine import Engine
-from .transfer import HostToDevice
+from .transfer import HostToDevice, advance_lengths, triton
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,14 @@ class _InFlight:
 class _AcceptRing:
     """Accept lengths to the host without a sync, and the next step's ``seq_lens`` on the device.
 
-    Each verify step gets a ring slot: a pinned host buffer (async device-to-host copy, then an event)
-    and a device buffer for ``seq_lens + accept_len``. Slots outnumber the steps the loop keeps unread,
+    Each verify step gets a ring slot: a pinned host buffer and a device buffer for ``seq_lens +
+    accept_len``, both written by one launch (:func:`bench.engine.transfer.advance_lengths`), then an event. Slots outnumber the steps the loop keeps unread,
     so a slot is free again by the time the ring comes back to it.
     """
 
     def __init__(self, device: torch.device, max_rows: int, slots: int):
         self.cuda = device.type == "cuda"
+        self.kernel = self.cuda and triton is not None  # one launch for the add and the host copy
         self.host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=self.cuda) for _ in range(slots)]
         self.lens = [torch.zeros(max_rows, dtype=torch.int64, device=device) for _ in range(slots)]
         self.i = 0
@@ -133,9 +134,8 @@ class _AcceptRing:
         """Queue the copies of one verify step; returns its record and the next step's ``seq_lens``."""
         self.i = (self.i + 1) % len(self.host)
         bs = accepted.shape[0]
-        nxt = torch.add(seq_lens, accepted, out=self.lens[self.i][:bs])
-        host = self.host[self.i][:bs]
-        host.copy_(accepted, non_blocking=self.cuda)
+        nxt, host = self.lens[self.i][:bs], self.host[self.i][:bs]
+        advance_lengths(seq_lens, accepted, nxt, host, self.kernel)
         event = None
         if self.cuda:
             event = torch.cuda.Event()

@@ -46,3 +46,39 @@ class HostToDevice:
         event = self._events[i] = torch.cuda.Event()
         event.record()
         return dev.view(array.shape)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: the torch ops serve everywhere
+    triton = tl = None
+
+if triton is not None:
+    @triton.jit
+    def _advance_kernel(lens_ptr, accepted_ptr, next_ptr, host_addr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        accepted = tl.load(accepted_ptr + i, mask=inside)
+        tl.store(next_ptr + i, tl.load(lens_ptr + i, mask=inside) + accepted, mask=inside)
+        tl.store(host_addr.to(tl.pointer_type(tl.int64)) + i, accepted, mask=inside)  # pinned: over PCIe
+
+
+def advance_lengths(seq_lens: torch.Tensor, accepted: torch.Tensor, next_lens: torch.Tensor, host: torch.Tensor,
+                    kernel: bool) -> None:
+    """``next_lens = seq_lens + accepted`` on the device and ``host = accepted`` in pinned host memory.
+
+    With ``kernel`` one Triton launch does both, storing straight into the pinned buffer: after a verify
+    graph, an add kernel then a device-to-host copy cost the GPU ~7 us of waits each (a copy-engine job
+    between two kernels, run AJ in bench/RESULTS.md). Without it (CPU, no Triton): ``torch.add`` and a
+    non-blocking ``copy_``. All four are int64 ``[bs]``; ``host`` is pinned (on CUDA) and read by the host
+    only after an event recorded behind this call."""
+    if not kernel:
+        torch.add(seq_lens, accepted, out=next_lens)
+        host.copy_(accepted, non_blocking=host.is_pinned())
+        return
+    n = accepted.shape[0]
+    for t in (seq_lens, accepted, next_lens, host):
+        assert t.dtype == torch.int64 and t.is_contiguous() and t.shape == (n,), (t.dtype, t.shape)
+    block = max(16, triton.next_power_of_2(min(n, 1024)))
+    _advance_kernel[(triton.cdiv(n, block),)](seq_lens, accepted, next_lens, host.data_ptr(), n, BLOCK=block)

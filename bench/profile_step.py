@@ -200,9 +200,9 @@ def parse_args(argv=None):
                         "(the kernels on CUDA)")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (default: torch's choice)")
-    p.add_argument("--gemv", default="on", choices=["on", "off", "decode"],
+    p.add_argument("--gemv", default="on", choices=["on", "off"],
                    help="16-bit products of one token through the engine's Triton GEMV (on, the default) or the "
-                        "BLAS library like every other GEMM (bench/engine/gemv.py), or only in the plain decode graphs")
+                        "BLAS library like every other GEMM (bench/engine/gemv.py)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     p.add_argument("--trace-all", action="store_true", help="with --trace: every variant's trace, named by variant")
@@ -216,8 +216,7 @@ def main(argv=None) -> int:
         print("profile_step: needs a CUDA GPU (the profile reads the GPU timeline); nothing to do on CPU")
         return 0
     blas = select_blas(args.blas, "cuda")
-    gemv.use_gemv(args.gemv != "off")  # before the engine captures its graphs
-    gemv_modes = ("decode",) if args.gemv == "decode" else None
+    gemv.use_gemv(args.gemv == "on")  # before the engine captures its graphs
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -227,7 +226,7 @@ def main(argv=None) -> int:
     for i, (attention, kernels) in enumerate(configs):
         started = time.perf_counter()
         engine, pool = build(cfg, spec, [1], args.prompt_len, args.max_new, "cuda", dtype_from_name(args.dtype),
-                             attention=attention, kernels=kernels, gemv_modes=gemv_modes)
+                             attention=attention, kernels=kernels)
         keys = key_len(engine.max_context, 1)
         roof = {"plain": plain_step(cfg, 1, keys).seconds * 1e3, "spec": spec_step(cfg, spec, 1, keys).seconds * 1e3}
         print(f"{attention}/{kernels}: built and captured in {time.perf_counter() - started:.1f} s", flush=True)

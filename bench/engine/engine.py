@@ -22,7 +22,6 @@ from graphpool import GraphPool, Mode, StepBatch, StepInput
 from .attention import TorchLayouts
 from .config import ModelConfig, SpecConfig
 from .draft_select import draft_level, resolve_draft_select
-from .gemv import gemv_enabled
 from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import build_draft, build_target
@@ -102,9 +101,6 @@ class Engine:
         self.catch_up_attn = self.torch_layouts.attention(draft_cache)
         self.token_table = torch.zeros(max_rows + 1, self.max_context, dtype=torch.int64, device=self.device)
         self._const = _StepConstants(spec, prompt_len, self.device)
-        # Modes whose graphs may use the one-token GEMV (bench/engine/gemv.py); None: every mode. Read when
-        # a step runs, so set it before the pool captures.
-        self.gemv_modes: tuple[str, ...] | None = None
         log.info("engine: %d target layers, %d draft layers, %d rows x %d positions, KV %.1f MiB, %s attention, "
                  "%s kernels", cfg.num_layers, spec.draft_layers, max_rows, self.max_context,
                  (target_cache.nbytes + draft_cache.nbytes) / 2**20, self.attention,
@@ -126,10 +122,6 @@ class Engine:
         """The step function the pool captures: dispatch on the batch's mode."""
         seq_lens, rows = batch.inputs["seq_lens"], batch.inputs["req_pool_indices"]
         name = batch.mode.name
-        with gemv_enabled(self.gemv_modes is None or name in self.gemv_modes):
-            return self._step(name, seq_lens, rows, batch)
-
-    def _step(self, name: str, seq_lens: torch.Tensor, rows: torch.Tensor, batch: StepBatch):
         if self.tp is not None and not batch.captured:  # graphs are checked in the pool's prepare hook
             self.tp.agree(f"eager_{name}", batch.bs, batch.bs)
         if name == "decode":

@@ -24,9 +24,6 @@ extend it with their collectives.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,19 +45,6 @@ def use_gemv(enabled: bool) -> None:
     before a pool captures (``bench/profile_step.py --gemv off``)."""
     global GEMV_MAX_ROWS
     GEMV_MAX_ROWS = 1 if enabled else 0
-
-
-@contextmanager
-def gemv_enabled(enabled: bool) -> Iterator[None]:
-    """Within the block the GEMV is on or off as ``enabled`` says (and back as it was after): an engine
-    captures some of its modes' graphs without it (``Engine.gemv_modes``)."""
-    global GEMV_MAX_ROWS
-    saved = GEMV_MAX_ROWS
-    GEMV_MAX_ROWS = saved if enabled else 0
-    try:
-        yield
-    finally:
-        GEMV_MAX_ROWS = saved
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,6 +10,10 @@ of the GPU (every launch stages its own row), (2) what it costs the host per ste
 node then costs the GPU over the bare step (bench/default_step.py's step, as bench/replay_latency.py).
 
     python bench/param_probe.py
+
+Run AJ in bench/RESULTS.md: correct (every queued launch staged its own row), but the parameter update
+costs the GPU 0.4-2.8 us per step by itself and the nodes still cost 3-5 us: not below the ring's cost, so
+graphpool keeps the ring.
 """
 from __future__ import annotations
 

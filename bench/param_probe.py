@@ -11,9 +11,9 @@ node then costs the GPU over the bare step (bench/default_step.py's step, as ben
 
     python bench/param_probe.py
 
-Run AJ in bench/RESULTS.md: correct (every queued launch staged its own row), but the parameter update
-costs the GPU 0.4-2.8 us per step by itself and the nodes still cost 3-5 us: not below the ring's cost, so
-graphpool keeps the ring.
+Run AJ in bench/RESULTS.md: correct (every queued launch staged its own row); one node costs 2.3-5.0 us over
+the bare step against the ring's 4.9-7.7 us in the same run (the update itself 0.6-1.9 us of it), still
+above issue 14's 2 us, so graphpool keeps the ring for now.
 """
 from __future__ import annotations
 
@@ -231,18 +231,15 @@ def main() -> int:
         specs = step.inputs
         vs = {sp.name: views[sp.name] for sp in specs}
         fills = {sp.name: torch.full((1,), sp.fill, dtype=sp.dtype, device=dev) for sp in specs}
-        groups = {}
-        for i, sp in enumerate(specs):
-            groups.setdefault(torch.tensor([], dtype=sp.dtype).element_size(), []).append(i)
         batch = gp.StepBatch(mode, bs, bs * mode.tokens_per_seq,
                              {sp.name: vs[sp.name][:bs * (mode.tokens_per_seq if sp.per == "token" else 1)] for sp in specs})
-        launches = []
-        for word, idx in groups.items():
-            m = torch.tensor([[vs[specs[i].name].data_ptr(), fills[specs[i].name].data_ptr(), 1,
-                               1 if specs[i].per == "token" else 0] for i in idx] + [[0, 0, 1, 0]] * (8 - len(idx)),
-                             dtype=torch.int64, device=dev)
-            srcs = [inputs[specs[i].name].data_ptr() for i in idx] + [0] * (8 - len(idx))
-            launches.append((len(idx), m, srcs, word))
+        # one staging node for all six inputs, as graphpool's: 4-byte words (an int64 element is two)
+        size = {sp.name: torch.tensor([], dtype=sp.dtype).element_size() for sp in specs}
+        m = torch.tensor([[vs[sp.name].data_ptr(), fills[sp.name].data_ptr(), size[sp.name] // 4,
+                           1 if sp.per == "token" else 0] for sp in specs] + [[0, 0, 1, 0]] * (8 - len(specs)),
+                         dtype=torch.int64, device=dev)
+        srcs = [inputs[sp.name].data_ptr() for sp in specs] + [0] * (8 - len(specs))
+        launches = [(len(specs), m, srcs, 4)]
 
         def pbody():
             ks = []

@@ -62,6 +62,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--nodes", type=int, default=188)
     p.add_argument("--engine", action="store_true", help="also the engine's graphs, GEMV on and off")
+    p.add_argument("--gemv-state", action="store_true",
+                   help="the GEMV-off engine's graphs timed before and after GEMV launches, graphs and a GEMV-on "
+                        "engine in the same process (run AK)")
+    p.add_argument("--no-synthetic", action="store_true", help="skip the graphs of one node kind")
+    p.add_argument("--flip", default=None, help="time a graph before and after capturing one kernel of this kind "
+                                                "(none, gemv, gemv-4warps, gemv-16-outputs, gemv-2-stages, tiny-32000, "
+                                                "tiny-8warps)")
     args = p.parse_args()
     dev = torch.device("cuda")
     n = args.nodes
@@ -74,8 +81,9 @@ def main() -> int:
         "triton 32000 programs": lambda: [_tiny[(32000,)](big, 1) for _ in range(n)],
         "cublas 16x4096x4096": lambda: [a @ b for _ in range(n // 2)],
     }
-    print(f"host us per replay() (median), graphs of {n} nodes of one kind", flush=True)
-    for name, body in kinds.items():
+    if not args.no_synthetic:
+        print(f"host us per replay() (median), graphs of {n} nodes of one kind", flush=True)
+    for name, body in ({} if args.no_synthetic else kinds).items():
         g = capture(body)
         print(f"  {name:24} idle {host_us(g.replay):8.1f}   gpu busy {host_us(g.replay, busy=True):8.1f}", flush=True)
         del g
@@ -93,7 +101,97 @@ def main() -> int:
                       f"{host_us(g.replay, busy=True):8.1f}", flush=True)
             del engine, pool
             torch.cuda.empty_cache()
+    if args.gemv_state:
+        gemv_state()
+    if args.flip:
+        flip(args.flip)
     return 0
+
+
+def flip(kind: str) -> None:
+    """A graph of small kernels (Triton, torch, cuBLAS) timed before and after a graph holding one ``kind`` kernel
+    was captured and replayed in this process (run once per process: the effect, where there is one, stays)."""
+    from bench.engine import gemv
+    dev = torch.device("cuda")
+    x = torch.zeros(1, device=dev)
+    a, b = torch.randn(16, 1024, device=dev, dtype=torch.bfloat16), torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    victim = capture(lambda: [(_tiny[(1,)](x, 1), x.add_(1), a @ b) for _ in range(60)])
+    before = graph_gpu_us(victim.replay, 60)
+    v = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    w16 = torch.randn(16, 4096, device=dev, dtype=torch.bfloat16)
+    kinds = {
+        "none": lambda: x.add_(1),
+        "gemv": lambda: gemv.gemv(v, w),
+        "gemv-4warps": lambda: gemv.gemv(v, w, config=(1, 2048, 4, 1)),
+        "gemv-16-outputs": lambda: gemv.gemv(v, w16),
+        "gemv-2-stages": lambda: gemv.gemv(v, w, config=(1, 2048, 8, 2)),
+        "tiny-32000": lambda: _tiny[(32000,)](x, 1),
+        "tiny-8warps": lambda: _tiny[(1,)](x, 1, num_warps=8),
+    }
+    g = capture(kinds[kind])
+    g.replay()
+    torch.cuda.synchronize()
+    after = graph_gpu_us(victim.replay, 60)
+    print(f"  {kind:16} victim graph GPU us: before {before:7.1f}  after {after:7.1f}  ({after - before:+.1f})", flush=True)
+
+
+def graph_gpu_us(replay, reps: int = 40) -> float:
+    """GPU us per replay, back to back (CUDA events around blocks of 10)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps // 10):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(10):
+            replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / 10)
+    return statistics.median(out)
+
+
+def gemv_state() -> None:
+    """One process: the GEMV-off engine's verify graph timed, then again after each thing a GEMV-on process
+    does that the GEMV-off one does not (run AK: the GEMV-on process's graphs have ~0.3 us longer gaps)."""
+    from bench.engine import gemv
+    from bench.engine.config import ModelConfig, SpecConfig
+    from bench.engine.harness import build
+    from bench.engine.loop import DecodeLoop, make_requests
+    gemv.use_gemv(False)
+    engine, pool = build(ModelConfig.medium(), SpecConfig(), [1], 32, 112, "cuda", torch.bfloat16,
+                         attention="flashinfer", kernels="fused")
+    DecodeLoop(engine, pool, "spec").run(make_requests(1, 32, engine.cfg.vocab_size, 40, 40), 1, max_steps=5)
+    verify, decode = pool.graph("verify", 1), pool.graph("decode", 1)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    print("GPU us per replay of the GEMV-off engine's graphs, back to back", flush=True)
+
+    def show(what: str) -> None:
+        print(f"  {what:58} verify {graph_gpu_us(verify.replay):8.1f}   decode {graph_gpu_us(decode.replay):8.1f}",
+              flush=True)
+    show("as built (GEMV off)")
+    show("again")
+    gemv.use_gemv(True)
+    gemv.gemv(x, w)
+    torch.cuda.synchronize()
+    show("after one eager GEMV launch")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv.gemv(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    show("after a graph holding a GEMV was captured and replayed")
+    engine2, pool2 = build(ModelConfig.medium(), SpecConfig(), [1], 32, 112, "cuda", torch.bfloat16,
+                           attention="flashinfer", kernels="fused")
+    show("after a second engine, GEMV on, was built and captured")
+    d2 = pool2.graph("decode", 1)
+    print(f"  (the GEMV-on engine's own: verify {graph_gpu_us(pool2.graph('verify', 1).replay):8.1f}   decode "
+          f"{graph_gpu_us(d2.replay):8.1f})", flush=True)
+    for _ in range(20):
+        d2.replay()
+    torch.cuda.synchronize()
+    show("after its decode graph ran 20 times")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from graphpool import GraphPool, SpeculationPolicy, StepBatch
 
 from .engine import Engine
-from .transfer import HostToDevice, advance_lengths, triton
+from .transfer import HostToDevice, advance_kernel_available, advance_lengths
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,14 @@ class _AcceptRing:
     """Accept lengths to the host without a sync, and the next step's ``seq_lens`` on the device.
 
     Each verify step gets a ring slot: a pinned host buffer and a device buffer for ``seq_lens +
-    accept_len``, both written by one launch (:func:`bench.engine.transfer.advance_lengths`), then an event. Slots outnumber the steps the loop keeps unread,
-    so a slot is free again by the time the ring comes back to it.
+    accept_len``, both written by one launch (:func:`bench.engine.transfer.advance_lengths`), then an
+    event. Slots outnumber the steps the loop keeps unread, so a slot is free again by the time the ring
+    comes back to it.
     """
 
     def __init__(self, device: torch.device, max_rows: int, slots: int):
         self.cuda = device.type == "cuda"
-        self.kernel = self.cuda and triton is not None  # one launch for the add and the host copy
+        self.kernel = advance_kernel_available(device)  # one launch for the add and the host copy
         self.host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=self.cuda) for _ in range(slots)]
         self.lens = [torch.zeros(max_rows, dtype=torch.int64, device=device) for _ in range(slots)]
         self.i = 0

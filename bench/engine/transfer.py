@@ -1,14 +1,21 @@
-"""Host-to-device copies that do not stall the host.
+"""Copies between host and device that do not stall the host.
 
 A plain ``tensor.to("cuda")`` from pageable memory synchronises the stream, which would stop the host
 from running ahead of the GPU at every step. :class:`HostToDevice` copies through a small ring of pinned
 buffers with ``non_blocking=True`` and only waits on a buffer's event before reusing it (by then the copy
-has long finished unless the host is a whole ring ahead).
+has long finished unless the host is a whole ring ahead). :func:`advance_lengths` goes the other way after a
+verify step: the accept lengths to pinned host memory and the next ``seq_lens`` on the device, in one launch.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: the torch ops serve everywhere
+    triton = tl = None
 
 
 class HostToDevice:
@@ -48,12 +55,6 @@ class HostToDevice:
         return dev.view(array.shape)
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton is optional: the torch ops serve everywhere
-    triton = tl = None
-
 if triton is not None:
     @triton.jit
     def _advance_kernel(lens_ptr, accepted_ptr, next_ptr, host_addr, n, BLOCK: tl.constexpr):
@@ -64,13 +65,18 @@ if triton is not None:
         tl.store(host_addr.to(tl.pointer_type(tl.int64)) + i, accepted, mask=inside)  # pinned: over PCIe
 
 
+def advance_kernel_available(device: torch.device | str) -> bool:
+    """Whether :func:`advance_lengths` can take its one-launch kernel for tensors on ``device`` (CUDA, Triton)."""
+    return torch.device(device).type == "cuda" and triton is not None
+
+
 def advance_lengths(seq_lens: torch.Tensor, accepted: torch.Tensor, next_lens: torch.Tensor, host: torch.Tensor,
                     kernel: bool) -> None:
     """``next_lens = seq_lens + accepted`` on the device and ``host = accepted`` in pinned host memory.
 
     With ``kernel`` one Triton launch does both, storing straight into the pinned buffer: after a verify
     graph, an add kernel then a device-to-host copy cost the GPU ~7 us of waits each (a copy-engine job
-    between two kernels, run AJ in bench/RESULTS.md). Without it (CPU, no Triton): ``torch.add`` and a
+    between two kernels, run AK in bench/RESULTS.md). Without it (CPU, no Triton): ``torch.add`` and a
     non-blocking ``copy_``. All four are int64 ``[bs]``; ``host`` is pinned (on CUDA) and read by the host
     only after an event recorded behind this call."""
     if not kernel:

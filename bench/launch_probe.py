@@ -70,6 +70,9 @@ def main() -> int:
                                                 "(none, gemv, gemv-4warps, gemv-16-outputs, gemv-2-stages, tiny-32000, "
                                                 "tiny-8warps)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("launch_probe: needs a CUDA GPU (it times graph launches); nothing to do here")
+        return 2
     dev = torch.device("cuda")
     n = args.nodes
     x = torch.zeros(1024, device=dev)

@@ -43,7 +43,10 @@ class KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h,
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-cu = ctypes.CDLL("libcuda.so.1")
+try:  # the CUDA driver; main() says so and stops where there is none
+    cu = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    cu = None
 
 
 def check(rc: int, what: str) -> None:
@@ -138,8 +141,8 @@ class ParamNode:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("param_probe: needs CUDA")
+    if cu is None or not torch.cuda.is_available():
+        print("param_probe: needs a CUDA GPU and its driver (it rewrites graph nodes on the GPU); nothing to do here")
         return 2
     dev = torch.device("cuda")
     torch.cuda.init()

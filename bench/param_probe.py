@@ -80,6 +80,9 @@ def param_layout(func: int) -> list[tuple[int, int]]:
         i += 1
 
 
+# From `meta` on, the body is graphpool's staging kernel's (kernels/stage.py, `_stage_kernel`) with the row
+# taken from the arguments instead of the pinned ring. It is a copy on purpose: the core kernel stays as the
+# H200 runs validated it until this design is adopted (then both would share one Triton helper).
 @triton.jit(do_not_specialize=["real_bs", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "step", "done_addr"])
 def _param_stage_kernel(real_bs: tl.int64, s0: tl.int64, s1: tl.int64, s2: tl.int64, s3: tl.int64, s4: tl.int64,
                         s5: tl.int64, s6: tl.int64, s7: tl.int64, step: tl.int64, done_addr: tl.int64, meta_ptr,

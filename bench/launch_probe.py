@@ -66,6 +66,8 @@ def main() -> int:
                    help="the GEMV-off engine's graphs timed before and after GEMV launches, graphs and a GEMV-on "
                         "engine in the same process (run AK)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the graphs of one node kind")
+    p.add_argument("--flip-engine", default=None, choices=sorted(ENGINE_FLIPS),
+                   help="the GEMV-off engine's graphs timed before and after one thing of this kind (one process each)")
     p.add_argument("--flip", default=None, help="time a graph before and after capturing one kernel of this kind "
                                                 "(none, gemv, gemv-4warps, gemv-16-outputs, gemv-2-stages, tiny-32000, "
                                                 "tiny-8warps)")
@@ -108,6 +110,8 @@ def main() -> int:
         gemv_state()
     if args.flip:
         flip(args.flip)
+    if args.flip_engine:
+        flip_engine(args.flip_engine)
     return 0
 
 
@@ -195,6 +199,131 @@ def gemv_state() -> None:
         d2.replay()
     torch.cuda.synchronize()
     show("after its decode graph ran 20 times")
+
+
+def _clocks() -> str:
+    """SM and memory clocks (MHz), power (W) and the active throttle reasons, from nvidia-smi (or why not)."""
+    import subprocess
+    query = "clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader",
+                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi: {exc}"
+
+
+def _kernel_attributes(kernel) -> str:
+    """Registers, spills, shared and local memory of a compiled Triton kernel (cuFuncGetAttribute)."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    fn = ctypes.c_void_p(kernel.function)
+    names = {"shared": 1, "const": 2, "local": 3, "regs": 4, "max_dyn_shared": 8, "carveout": 9}
+    out = []
+    for name, attr in names.items():
+        value = ctypes.c_int()
+        rc = cuda.cuFuncGetAttribute(ctypes.byref(value), attr, fn)
+        out.append(f"{name}={value.value if rc == 0 else f'rc{rc}'}")
+    return f"n_regs={kernel.n_regs} n_spills={kernel.n_spills} " + " ".join(out)
+
+
+def _flip_bodies(dev: torch.device) -> dict:
+    from bench.engine import gemv
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    y = torch.zeros(1024, device=dev)
+    lens = torch.zeros(1, dtype=torch.int64, device=dev)
+    return {
+        "add": lambda: y.add_(1),
+        "add-int64": lambda: lens.add_(1),
+        "alloc": lambda: torch.empty(1, 4096, device=dev).fill_(1.0),
+        "cublas-m1": lambda: torch.nn.functional.linear(x, w),
+        "gemv": lambda: gemv.gemv(x, w),
+        "tiny-32000-8warps": lambda: _tiny[(32000,)](y, 1, num_warps=8),
+    }
+
+
+ENGINE_FLIPS = ("add", "alloc", "cublas-m1", "gemv", "gemv-no-replay", "gemv-freed", "gemv-eager-x20",
+                "tiny-32000-8warps", "sync", "gc", "empty-cache", "raw-capture", "malloc-free-1g",
+                "malloc-free-1g-empty-cache", "gemv-on-build", "add-int64", "add-before-build")
+
+
+def flip_engine(kind: str) -> None:
+    """Runs AM, AN: the GEMV-off engine's verify and decode graphs, back to back, before and after one thing
+    of ``kind``, with the GPU's clocks beside each line. A graph of ``add``, ``alloc``, ``cublas-m1``, ``gemv``,
+    ``tiny-32000-8warps`` captured with ``torch.cuda.graph`` and replayed; ``gemv-no-replay``: captured only;
+    ``gemv-freed``: then the graph freed; ``gemv-eager-x20``: 20 eager launches, no graph. What
+    ``torch.cuda.graph`` does around a capture, one at a time: ``sync``, ``gc`` (``gc.collect``),
+    ``empty-cache``; ``raw-capture``: an ``add`` captured with ``capture_begin``/``capture_end`` on a side stream
+    (no ``empty_cache``); ``malloc-free-1g[-empty-cache]``: 1 GiB allocated and dropped (then the cache
+    emptied); ``gemv-on-build``: the engine built with the GEMV on, nothing done after; ``add-int64``: a graph of an
+    int64 add (a kernel the engine's graphs already hold); ``add-before-build``: an ``add`` graph captured and
+    replayed before the engine is built, nothing after."""
+    import gc
+    from bench.engine import gemv
+    from bench.engine.config import ModelConfig, SpecConfig
+    from bench.engine.harness import build
+    from bench.engine.loop import DecodeLoop, make_requests
+    dev = torch.device("cuda")
+    gemv.use_gemv(kind == "gemv-on-build")
+    if kind == "add-before-build":
+        early = capture(_flip_bodies(dev)["add"])
+        early.replay()
+    engine, pool = build(ModelConfig.medium(), SpecConfig(), [1], 32, 112, "cuda", torch.bfloat16,
+                         attention="flashinfer", kernels="fused")
+    DecodeLoop(engine, pool, "spec").run(make_requests(1, 32, engine.cfg.vocab_size, 40, 40), 1, max_steps=5)
+    verify, decode = pool.graph("verify", 1), pool.graph("decode", 1)
+
+    def show(what: str) -> None:
+        v, d = graph_gpu_us(verify.replay, 60), graph_gpu_us(decode.replay, 60)
+        print(f"  {kind:18} {what:28} verify {v:8.1f}   decode {d:8.1f}   [{_clocks()}]", flush=True)
+    show("before")
+    show("before, again")
+    if kind in ("gemv-on-build", "add-before-build"):
+        return
+    gemv.use_gemv(True)
+    bodies = _flip_bodies(dev)
+    g = None
+    if kind == "gemv-eager-x20":
+        for _ in range(20):
+            bodies["gemv"]()
+    elif kind == "sync":
+        torch.cuda.synchronize()
+    elif kind == "gc":
+        gc.collect()
+    elif kind == "empty-cache":
+        torch.cuda.empty_cache()
+    elif kind.startswith("malloc-free-1g"):
+        big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        big.fill_(1)
+        del big
+        if kind.endswith("empty-cache"):
+            torch.cuda.empty_cache()
+    elif kind == "raw-capture":
+        g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            bodies["add"]()
+            g.capture_begin()
+            bodies["add"]()
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        g.replay()
+    else:
+        g = capture(bodies["gemv" if kind.startswith("gemv") else kind])
+        if kind != "gemv-no-replay":
+            g.replay()
+    torch.cuda.synchronize()
+    show("after")
+    show("after, again")
+    if kind == "gemv-freed":
+        del g
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        show("after the graph was freed")
+    if kind.startswith("gemv"):
+        print(f"  GEMV kernel: {_kernel_attributes(next(iter(gemv._gemv_kernel.device_caches[0][0].values())))}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,53 @@ def _param_stage_kernel(real_bs: tl.int64, s0: tl.int64, s1: tl.int64, s2: tl.in
     tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
 
 
+@triton.jit
+def _pick(which, v0, v1, v2, v3, v4, v5, v6, v7):
+    return tl.where(which == 0, v0, tl.where(which == 1, v1, tl.where(which == 2, v2, tl.where(
+        which == 3, v3, tl.where(which == 4, v4, tl.where(which == 5, v5, tl.where(which == 6, v6, v7)))))))
+
+
+_ARGS = [f"{c}{i}" for c in "sdfwp" for i in range(MAX_INPUTS)]
+
+
+# Every input's metadata as arguments too (no device read before the source's), and `done` published only
+# with PUBLISH: what the node costs once nothing but the source and fill rows is read from memory.
+@triton.jit(do_not_specialize=["real_bs", "step", "done_addr", *_ARGS])
+def _args_stage_kernel(real_bs: tl.int64, step: tl.int64, done_addr: tl.int64,
+                       s0: tl.int64, s1: tl.int64, s2: tl.int64, s3: tl.int64, s4: tl.int64, s5: tl.int64,
+                       s6: tl.int64, s7: tl.int64, d0: tl.int64, d1: tl.int64, d2: tl.int64, d3: tl.int64,
+                       d4: tl.int64, d5: tl.int64, d6: tl.int64, d7: tl.int64, f0: tl.int64, f1: tl.int64,
+                       f2: tl.int64, f3: tl.int64, f4: tl.int64, f5: tl.int64, f6: tl.int64, f7: tl.int64,
+                       w0: tl.int64, w1: tl.int64, w2: tl.int64, w3: tl.int64, w4: tl.int64, w5: tl.int64,
+                       w6: tl.int64, w7: tl.int64, p0: tl.int64, p1: tl.int64, p2: tl.int64, p3: tl.int64,
+                       p4: tl.int64, p5: tl.int64, p6: tl.int64, p7: tl.int64, padded_bs, tokens_per_seq,
+                       PUBLISH: tl.constexpr, BLOCK: tl.constexpr):
+    which = tl.program_id(0)
+    block = tl.program_id(1)
+    if PUBLISH:
+        if which + block == 0:
+            tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
+    kind = tl.pointer_type(tl.int32)
+    src = _pick(which, s0, s1, s2, s3, s4, s5, s6, s7).to(kind)
+    dst = _pick(which, d0, d1, d2, d3, d4, d5, d6, d7).to(kind)
+    fill = _pick(which, f0, f1, f2, f3, f4, f5, f6, f7).to(kind)
+    row_words = _pick(which, w0, w1, w2, w3, w4, w5, w6, w7)
+    rows_per_seq = tl.where(_pick(which, p0, p1, p2, p3, p4, p5, p6, p7) != 0, tokens_per_seq, 1)
+    real_words = real_bs * rows_per_seq * row_words
+    total_words = padded_bs * rows_per_seq * row_words
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < total_words
+    real = offs < real_words
+    from_src = tl.load(src + offs, mask=inside & real, other=0)
+    from_fill = tl.load(fill + offs % row_words, mask=inside & (offs >= real_words), other=0)
+    tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+
+
+@triton.jit
+def _empty_kernel(x_ptr, N):
+    pass
+
+
 class ParamNode:
     """One staging node of one instantiated graph, and a parameter buffer laid out as its arguments."""
 
@@ -275,13 +322,72 @@ def main() -> int:
         def ring_step():
             ring_pool.run(mode.name, **inputs)
 
+        # The same with every input's metadata in the arguments, with and without publishing `done`; and an
+        # empty kernel node before the bare step (what one extra serial node costs at all).
+        words = {sp.name: size[sp.name] // 4 for sp in specs}
+        pad = [0] * (MAX_INPUTS - len(specs))
+        arg_meta = ([vs[sp.name].data_ptr() for sp in specs] + pad + [fills[sp.name].data_ptr() for sp in specs] + pad
+                    + [words[sp.name] for sp in specs] + [1] * len(pad)
+                    + [1 if sp.per == "token" else 0 for sp in specs] + pad)
+
+        def args_graph(publish: bool):
+            def body():
+                k = _args_stage_kernel[(len(specs), 2)](bs, 0, done.data_ptr(), *srcs, *arg_meta, bs,
+                                                        mode.tokens_per_seq, PUBLISH=publish, BLOCK=1024)
+                step.step_fn(batch)
+                return k
+            with torch.cuda.stream(s):
+                body()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, pool=floor_pool.memory_pool):
+                k = body()
+            graph.instantiate()
+            found = [ParamNode(graph, nd, p) for nd, p in kernel_nodes(graph.raw_cuda_graph()) if p.func == k.function]
+            assert len(found) == 1
+            return graph, found[0]
+
+        def args_step(graph, pn):
+            count = [0]
+
+            def fn():
+                count[0] += 1
+                pn.write(0, bs)
+                pn.write(1, count[0])
+                for i, sp in enumerate(specs):
+                    pn.write(3 + i, inputs[sp.name].data_ptr())
+                pn.update()
+                graph.replay()
+            return fn
+
+        ag_pub, an_pub = args_graph(True)
+        ag, an = args_graph(False)
+
+        def empty_body():
+            _empty_kernel[(1,)](fill_dummy, 1)
+            step.step_fn(batch)
+        fill_dummy = torch.zeros(1, device=dev)
+        with torch.cuda.stream(s):
+            empty_body()
+        torch.cuda.synchronize()
+        eg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(eg, pool=floor_pool.memory_pool):
+            empty_body()
+
         # check: the param graph stages the same as the floor's torch staging
         for v in vs.values():
             v.zero_()
         param_step()
         torch.cuda.synchronize()
         ok_stage = all(torch.equal(vs[sp.name][:len(inputs[sp.name])], inputs[sp.name]) for sp in specs)
-        fns = {"bare": bare.replay, "ring": ring_step, "param": param_step, "param-fixed": pg.replay}
+        for v in vs.values():
+            v.zero_()
+        args_step(ag, an)()
+        torch.cuda.synchronize()
+        ok_stage = ok_stage and all(torch.equal(vs[sp.name][:len(inputs[sp.name])], inputs[sp.name]) for sp in specs)
+        fns = {"bare": bare.replay, "ring": ring_step, "param": param_step, "param-fixed": pg.replay,
+               "args": args_step(ag_pub, an_pub), "args-nodone": args_step(ag, an), "args-nodone-fixed": ag.replay,
+               "empty-node": eg.replay}
         times = {k: [] for k in fns}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(3):
@@ -300,11 +406,11 @@ def main() -> int:
         rows.append((mode.name, bs, med, ok_stage, len(nodes_all)))
     print("\n".join(lines))
     print("GPU us per step, back to back (median of 30 blocks of 20); +x over bare")
-    print(f"{'mode':8} {'bs':>3} {'bare':>7} {'ring':>7} {'param':>7} {'p-fixed':>7} staged-ok nodes")
+    cols = ["ring", "param", "param-fixed", "args", "args-nodone", "args-nodone-fixed", "empty-node"]
+    print(f"{'mode':8} {'bs':>3} {'bare':>7} " + " ".join(f"{c:>8}" for c in cols) + " staged-ok")
     for name, bs, med, ok_stage, nn in rows:
         b = med["bare"]
-        print(f"{name:8} {bs:3d} {b:7.1f} {med['ring'] - b:+7.2f} {med['param'] - b:+7.2f} "
-              f"{med['param-fixed'] - b:+7.2f} {ok_stage} {nn}")
+        print(f"{name:8} {bs:3d} {b:7.1f} " + " ".join(f"{med[c] - b:+8.2f}" for c in cols) + f" {ok_stage}")
     return 0
 
 

@@ -157,6 +157,15 @@ def timeline(prof) -> tuple[list[tuple[str, float, float]], list[float]]:
     return device, launches
 
 
+def write_trace(prof, path: Path) -> None:
+    """The profile as a gzipped chrome trace at ``path``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
 def profile_variant(engine, pool, variant: str, run_ahead: int, warmup: int, steps: int, max_new: int,
                     trace: Path | None) -> dict:
     """Serve one request for ``warmup + steps`` steps under the profiler; the timeline analysis, plus the
@@ -171,17 +180,67 @@ def profile_variant(engine, pool, variant: str, run_ahead: int, warmup: int, ste
     torch.cuda.synchronize()
     device, launches = timeline(prof)
     if trace is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            raw = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+        write_trace(prof, trace)
     out = analyse(device, launches, skip=1 + warmup + 1)  # the prefill, the warm-up, the synced first step
     n_steps = sum(plain.steps.values())
     out.update(ms_per_step=1e3 * plain.seconds / n_steps if n_steps else None,
                tokens_per_step=plain.tokens / n_steps if n_steps else None, mean_accept=plain.mean_accept,
                profiled_ms_per_step=1e3 * st.seconds / max(sum(st.steps.values()), 1))
     return out
+
+
+def profile_window(engine, pool, variant: str, steps: int, min_new: int, max_new: int,
+                   trace: Path | None = None) -> dict:
+    """The decode loop's own C = 1 window (``bench/decode_loop.py --quick``: its requests, 3 warm-up steps,
+    ``steps`` timed), unprofiled then profiled: every graph period of the window (a decode, verify or prefill
+    graph, from its staging kernel to the next) with its kernels, GPU busy and idle time and longest wait, so
+    that request ends and prefills show beside the steady steps."""
+    import gc
+    from torch.profiler import ProfilerActivity, profile
+    cfg = engine.cfg
+    reqs = make_requests(8, engine.prompt_len, cfg.vocab_size, min_new, max_new, seed=0)
+    loop = DecodeLoop(engine, pool, variant, run_ahead=1)
+    # As decode_loop.py runs it: a first pass absorbs first-use costs (the first request switch compiles and
+    # loads kernels: run AN's first pass took ~2x as long), and no garbage collection inside the windows.
+    gc.collect()
+    gc.disable()
+    try:
+        loop.run(reqs, 1, warmup_steps=3, max_steps=steps, keep_outputs=False)
+        plain = loop.run(reqs, 1, warmup_steps=3, max_steps=steps, keep_outputs=False)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loop.run(reqs, 1, warmup_steps=3, max_steps=steps, keep_outputs=False)
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    if trace is not None:
+        write_trace(prof, trace)
+    events, _ = timeline(prof)
+    events.sort(key=lambda e: e[1])
+    marks = [s for name, s, _ in events if STEP_MARK in name]
+    periods = []
+    for a, b in zip(marks, marks[1:]):
+        inside = [(n, s, e) for n, s, e in events if a <= s < b]
+        busy = union_us([(s, min(e, b)) for _, s, e in inside])
+        waits = step_waits(inside, b)
+        longest = max(waits, key=lambda w: w[2]) if waits else ("", "", 0.0)
+        periods.append({"kernels": sum(category(n) != "copy" for n, _, _ in inside), "busy_us": busy,
+                        "period_us": b - a, "idle_us": b - a - busy, "waits_us": sum(w[2] for w in waits),
+                        "longest": f"{longest[2]:.1f} us {longest[0][:40]} -> {longest[1][:40]}"})
+    n = sum(plain.steps.values())
+    return {"variant": variant, "ms_per_step": 1e3 * plain.seconds / n, "tokens_per_s": plain.tokens_per_s,
+            "steps": n, "periods": periods}
+
+
+def window_table(w: dict) -> str:
+    lines = [f"window of the decode loop at C = 1, {w['variant']}: {w['steps']} timed steps, {w['ms_per_step']:.3f} "
+             f"ms/step, {w['tokens_per_s']:.1f} tok/s unprofiled; profiled graph periods (us):",
+             f"{'#':>3} {'kern':>5} {'period':>8} {'busy':>8} {'idle':>7} {'waits':>7}  longest wait"]
+    for i, p in enumerate(w["periods"]):
+        lines.append(f"{i:>3} {p['kernels']:>5} {p['period_us']:>8.1f} {p['busy_us']:>8.1f} {p['idle_us']:>7.1f} "
+                     f"{p['waits_us']:>7.1f}  {p['longest']}")
+    tot = {k: sum(p[k] for p in w["periods"]) for k in ("period_us", "busy_us", "idle_us")}
+    lines.append(f"total {tot['period_us'] / 1e3:.3f} ms: busy {tot['busy_us'] / 1e3:.3f}, idle {tot['idle_us'] / 1e3:.3f}")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -206,6 +265,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     p.add_argument("--trace-all", action="store_true", help="with --trace: every variant's trace, named by variant")
+    p.add_argument("--window", action="store_true",
+                   help="also profile the decode loop's own C = 1 windows (plain and spec; its requests, 40 steps) "
+                        "with the last config, period by period")
     return p.parse_args(argv)
 
 
@@ -242,6 +304,12 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"  {label}: {r.get('kernels', 0):.0f} kernels, busy {r.get('busy_ms', 0):.3f} ms, period "
                   f"{r.get('period_ms', 0):.3f} ms, {r['ms_per_step']:.3f} ms/step unprofiled", flush=True)
+        if args.window and i == len(configs) - 1:
+            for variant in ("plain", "spec"):
+                trace = Path(args.trace).with_name(f"window_{variant}.json.gz") if args.trace else None
+                w = profile_window(engine, pool, variant, 40, 96, 112, trace)
+                results[f"{attention}/{kernels}/window {variant}"] = w
+                print(window_table(w), flush=True)
         del engine, pool
         torch.cuda.empty_cache()
     out = Path(args.out)

@@ -129,13 +129,14 @@ def test_flashinfer_decode_loop_runs_on_graphs_bf16_gpu():
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_run_ahead_reads_accept_lengths_late_and_changes_nothing(ahead):
     """With run-ahead the host queues verify steps before reading earlier ones' accept lengths (up to
-    ``ahead`` unread), yet serves the same steps, outputs and counted tokens as a sync per step."""
+    ``ahead`` unread), yet serves the same steps, outputs and counted tokens as a sync per step (waiting
+    at request ends, so that both serve the same batches step by step)."""
     engine, pool = _engine("cpu")
     reqs = make_requests(6, PROMPT, CFG.vocab_size, 20, 24, seed=7)
     base = DecodeLoop(engine, pool, "spec", run_ahead=0).run(reqs, 3, warmup_steps=2, max_steps=6)
     full = DecodeLoop(engine, pool, "spec", run_ahead=0).run(reqs, 3)
     unread_at_push = []
-    loop = DecodeLoop(engine, pool, "spec", run_ahead=ahead)
+    loop = DecodeLoop(engine, pool, "spec", run_ahead=ahead, wait_at_request_end=True)
     push, resolve = loop.accept_ring.push, loop._resolve
     counts = {"push": 0, "resolve": 0}
 
@@ -153,9 +154,38 @@ def test_run_ahead_reads_accept_lengths_late_and_changes_nothing(ahead):
     assert late_full.outputs == full.outputs and late_full.tokens == full.tokens
     assert late_full.mean_accept == full.mean_accept
     assert max(unread_at_push) == ahead and min(unread_at_push) == 0 and counts["push"] == counts["resolve"]
-    late = DecodeLoop(engine, pool, "spec", run_ahead=ahead).run(reqs, 3, warmup_steps=2, max_steps=6)
+    late = DecodeLoop(engine, pool, "spec", run_ahead=ahead, wait_at_request_end=True).run(
+        reqs, 3, warmup_steps=2, max_steps=6)
     assert (late.tokens, late.steps, late.accept_rows) == (base.tokens, base.steps, base.accept_rows)
     assert late.partial == base.partial and late.outputs == base.outputs
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_requests_end_and_start_while_a_step_is_in_flight(ahead):
+    """By default the loop does not wait when some requests of a batch may have finished: a finished one
+    is retired, and a new one admitted, while a verify step is still in flight (the next step's lengths
+    then come from the device for the requests that stay). Every request still gets exactly plain
+    decoding's tokens, and dynamic speculation too; with ``wait_at_request_end`` no batch changes in flight."""
+    engine, pool = _engine("cpu")
+    reqs = make_requests(9, PROMPT, CFG.vocab_size, 6, 24, seed=11)  # uneven lengths: ends at many steps
+    plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)
+    for variant, policy in (("spec", None), ("dynamic", SpeculationPolicy(2, 1))):
+        for wait in (False, True):
+            loop = DecodeLoop(engine, pool, variant, policy, run_ahead=ahead, wait_at_request_end=wait)
+            changed, next_inputs = [], loop._next_inputs
+
+            def spy(lens_dev, rows_dev, kept, act, n_kept, _next=next_inputs, _changed=changed):
+                _changed.append(kept is not None or n_kept != len(act.reqs))
+                return _next(lens_dev, rows_dev, kept, act, n_kept)
+            loop._next_inputs = spy
+            st = loop.run(reqs, 3 if variant == "spec" else 4)
+            assert st.outputs == plain.outputs, (variant, wait)
+            assert st.tokens == plain.tokens == sum(r.max_new for r in reqs)
+            assert st.graph_misses == 0
+            if variant == "spec":  # dynamic at C = 3-4 > threshold 2 decodes until the batch thins out
+                assert any(changed) != wait, (variant, wait, sum(changed))
+            else:
+                assert not wait or not any(changed)
 
 
 def test_draft_kv_after_catch_up_equals_fresh_draft_prefill():

@@ -12,9 +12,20 @@ The host knows every sequence's length without asking the GPU, except after a ve
 accept lengths only the GPU knows. The loop does not wait for them (**run-ahead**): the next step's
 ``seq_lens`` are computed on the device (``seq_lens + accept_len``, one small launch), the accept lengths
 travel to pinned host memory asynchronously, and the host reads them one step later, while the GPU runs
-the step it has just queued. The host waits only where it must know them: when a request may have
-finished (its batch changes), when the mode changes (a catch-up needs the lengths), and to keep at most
-``run_ahead`` verify steps unread. ``run_ahead=0`` reads them after every verify step (a sync per step).
+the step it has just queued. The host waits only where it must know them: when the mode changes (a
+catch-up needs the lengths), to keep at most ``run_ahead`` verify steps unread, and when every sequence of
+the batch may have finished (the next step could be all waste). ``run_ahead=0`` reads them after every
+verify step (a sync per step).
+
+**Request ends without a wait.** When only some sequences may have finished, the loop queues the next
+step for the whole batch anyway. Once the lengths arrive, a finished request is retired and a new one
+admitted while a step is still in flight: the next step's ``seq_lens`` are the in-flight step's
+(on the device) for the requests that stay, and the host's for the new ones. Each in-flight record names
+the requests of its batch, so lengths read late land on the right requests (a retired one's are dropped;
+its extra step is capped out of the counts). A sequence is stepped past its end only while its row has
+room (``max_context`` holds the scratch of a verify step beyond the last token). Waiting instead, as at
+every request end before, costs a host round trip per step once C is large enough that some request is
+always near its end (at C >= 16, most steps).
 """
 from __future__ import annotations
 
@@ -105,6 +116,9 @@ class _Active:
         for name in ("rows", "lens", "draft_len", "done", "limit"):
             setattr(self, name, getattr(self, name)[idx])
 
+    def rids(self) -> np.ndarray:
+        return np.array([r.rid for r in self.reqs], dtype=np.int64)
+
 
 @dataclass
 class _InFlight:
@@ -113,6 +127,7 @@ class _InFlight:
     step: int
     accepted: np.ndarray                 # host view the accept lengths land in
     event: Optional["torch.cuda.Event"]  # recorded after the copy (None on CPU: copied already)
+    rids: np.ndarray                     # the step's requests, in batch order
 
 
 class _AcceptRing:
@@ -131,8 +146,10 @@ class _AcceptRing:
         self.lens = [torch.zeros(max_rows, dtype=torch.int64, device=device) for _ in range(slots)]
         self.i = 0
 
-    def push(self, seq_lens: torch.Tensor, accepted: torch.Tensor, step: int) -> tuple[_InFlight, torch.Tensor]:
-        """Queue the copies of one verify step; returns its record and the next step's ``seq_lens``."""
+    def push(self, seq_lens: torch.Tensor, accepted: torch.Tensor, step: int,
+             rids: np.ndarray) -> tuple[_InFlight, torch.Tensor]:
+        """Queue the copies of one verify step (of requests ``rids``); returns its record and the next
+        step's ``seq_lens``."""
         self.i = (self.i + 1) % len(self.host)
         bs = accepted.shape[0]
         nxt, host = self.lens[self.i][:bs], self.host[self.i][:bs]
@@ -141,7 +158,7 @@ class _AcceptRing:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return _InFlight(step, host.numpy(), event), nxt
+        return _InFlight(step, host.numpy(), event, rids), nxt
 
 
 class DecodeLoop:
@@ -154,10 +171,13 @@ class DecodeLoop:
         policy: the mode choice for the dynamic variants.
         run_ahead: verify steps whose accept lengths may stay unread when the next step is queued
             (0: read them after every verify step, a host sync per step; see the module docstring).
+        wait_at_request_end: read the lengths whenever any request may have finished, so that batches
+            change only with no step in flight (the loop before request ends ran ahead; the step-by-step
+            reference for the run-ahead tests).
     """
 
     def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: SpeculationPolicy | None = None,
-                 run_ahead: int = 1):
+                 run_ahead: int = 1, wait_at_request_end: bool = False):
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
         if variant.startswith("dynamic") and policy is None:
@@ -165,7 +185,7 @@ class DecodeLoop:
         if run_ahead < 0:
             raise ValueError(f"run_ahead must be >= 0, got {run_ahead}")
         self.engine, self.pool, self.variant, self.policy = engine, pool, variant, policy
-        self.run_ahead = run_ahead
+        self.run_ahead, self.wait_at_request_end = run_ahead, wait_at_request_end
         rows = engine.rows.num_rows
         self.h2d = HostToDevice(engine.device, max(2 * rows, rows * (engine.prompt_len + 1)))
         self.accept_ring = _AcceptRing(engine.device, rows, run_ahead + 2)
@@ -196,14 +216,14 @@ class DecodeLoop:
         while True:
             while len(inflight) > self.run_ahead:
                 self._resolve(inflight.pop(0), act)
-            if inflight and np.any(act.done + gain * len(inflight) >= act.limit):
-                self._resolve_all(inflight, act)  # a request may have finished: the batch changes
-            if not inflight:
-                self._retire(act, outputs, keep_outputs)
-                free = concurrency - len(act.reqs)
-                if free > 0 and queue:
-                    new = [queue.pop() for _ in range(min(free, len(queue)))]
-                    act.add(new, self._admit(new), eng.prompt_len)
+            if inflight and self._must_wait(act, len(inflight), gain):
+                self._resolve_all(inflight, act)
+            kept = self._retire(act, outputs, keep_outputs)  # positions (in the last step's batch) that stay
+            n_kept = len(act.reqs)
+            free = concurrency - n_kept
+            if free > 0 and queue:
+                new = [queue.pop() for _ in range(min(free, len(queue)))]
+                act.add(new, self._admit(new), eng.prompt_len)
             if not act.reqs or (max_steps is not None and step >= warmup_steps + max_steps
                                 and time.perf_counter() - t0 >= min_seconds):
                 break
@@ -220,14 +240,14 @@ class DecodeLoop:
                     eng.draft_catch_up(int(act.rows[i]), int(act.draft_len[i]), int(act.lens[i] - eng.spec.window))
                 stats.catch_ups += len(stale)
             if inflight:
-                seq_lens, rows = lens_dev, rows_dev
+                seq_lens, rows = self._next_inputs(lens_dev, rows_dev, kept, act, n_kept)
             else:
                 dev = self.h2d(np.stack([act.lens, act.rows]))
                 seq_lens, rows = dev[0], dev[1]
             if mode == "verify":
                 accepted = self.pool.run("verify", seq_lens=seq_lens, req_pool_indices=rows)
                 if self.run_ahead:
-                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step)
+                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step, act.rids())
                     rows_dev = rows
                     inflight.append(record)
                 else:
@@ -258,12 +278,56 @@ class DecodeLoop:
         stats.partial = {rid: t.cpu().tolist() for rid, t in partial}
         return stats
 
-    def _commit(self, step: int, mode: str, accepted: np.ndarray, act: _Active) -> None:
-        """Apply one step's committed token counts to the host state (and the stats, in the timed window)."""
+    def _must_wait(self, act: _Active, unread: int, gain: int) -> bool:
+        """Whether the host must read the unread steps' lengths before queueing another step: some request
+        may have finished and either the loop waits at every request end, or every sequence may have
+        finished (the next step could be all waste), or a sequence past its end would outgrow its row."""
+        may_end = act.done + gain * unread >= act.limit
+        if not may_end.any():
+            return False
+        if self.wait_at_request_end or may_end.all():
+            return True
+        spec = self.engine.spec
+        # Upper bound of each row's length for the next step, and the columns a verify step writes past it.
+        reach = act.lens + gain * unread + max(spec.num_draft_tokens, (spec.steps - 1) * spec.topk + 1, gain)
+        return bool(np.any(reach > self.engine.max_context))
+
+    def _next_inputs(self, lens_dev: torch.Tensor, rows_dev: torch.Tensor, kept: np.ndarray | None, act: _Active,
+                     n_kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's ``seq_lens`` and rows while a step is in flight: its device lengths for the requests
+        that stay (``kept``: their positions in its batch; ``None``: the batch did not change), the host's for
+        the requests admitted since (their lengths are the prompt's, known exactly)."""
+        if kept is None and n_kept == len(act.reqs):
+            return lens_dev, rows_dev
+        parts_lens, parts_rows = [], []
+        if n_kept:
+            idx = self.h2d(kept) if kept is not None else None
+            parts_lens.append(lens_dev if idx is None else lens_dev.index_select(0, idx))
+            parts_rows.append(rows_dev if idx is None else rows_dev.index_select(0, idx))
+        if len(act.reqs) > n_kept:
+            new = self.h2d(np.stack([act.lens[n_kept:], act.rows[n_kept:]]))
+            parts_lens.append(new[0])
+            parts_rows.append(new[1])
+        if len(parts_lens) == 1:
+            return parts_lens[0], parts_rows[0]
+        return torch.cat(parts_lens), torch.cat(parts_rows)
+
+    def _commit(self, step: int, mode: str, accepted: np.ndarray, act: _Active, rids: np.ndarray | None = None) -> None:
+        """Apply one step's committed token counts to the host state (and the stats, in the timed window).
+        ``rids``: the step's requests in batch order, where the batch may have changed since (lengths of
+        requests retired meanwhile are dropped); ``None``: the current batch."""
+        if rids is None:
+            at = np.arange(len(act.reqs))
+        else:
+            where = {rid: i for i, rid in enumerate(act.rids())}
+            mine = [(j, where[r]) for j, r in enumerate(rids.tolist()) if r in where]
+            accepted = accepted[[j for j, _ in mine]]
+            at = np.array([i for _, i in mine], dtype=np.int64)
         if mode == "verify":
-            act.draft_len = act.lens.copy()  # the step's first draft pass wrote KV up to its input lengths
-        gained = np.minimum(accepted, act.limit - act.done)
-        act.lens, act.done = act.lens + accepted, act.done + gained
+            act.draft_len[at] = act.lens[at]  # the step's first draft pass wrote KV up to its input lengths
+        gained = np.minimum(accepted, act.limit[at] - act.done[at])
+        act.lens[at] += accepted
+        act.done[at] += gained
         if step >= self._warmup:
             self._stats.tokens += int(gained.sum())
             if mode == "verify":
@@ -273,24 +337,27 @@ class DecodeLoop:
     def _resolve(self, record: _InFlight, act: _Active) -> None:
         if record.event is not None:
             record.event.synchronize()
-        self._commit(record.step, "verify", record.accepted.copy(), act)
+        self._commit(record.step, "verify", record.accepted.copy(), act, record.rids)
 
     def _resolve_all(self, inflight: list[_InFlight], act: _Active) -> None:
         while inflight:
             self._resolve(inflight.pop(0), act)
 
-    def _retire(self, act: _Active, outputs: list, keep_outputs: bool) -> None:
-        """Record and release the requests that have generated all their tokens."""
+    def _retire(self, act: _Active, outputs: list, keep_outputs: bool) -> np.ndarray | None:
+        """Record and release the requests that have generated all their tokens. Returns the positions of
+        the requests that stay (``None`` when none finished)."""
         finished = np.flatnonzero(act.done >= act.limit)
         if not len(finished):
-            return
+            return None
         eng = self.engine
         for i in finished:
             r = act.reqs[i]
             if keep_outputs:
                 outputs.append((r.rid, eng.token_table[int(act.rows[i]), eng.prompt_len:eng.prompt_len + r.max_new].clone()))
             eng.rows.free(int(act.rows[i]))
-        act.keep(np.setdiff1d(np.arange(len(act.reqs)), finished))
+        kept = np.setdiff1d(np.arange(len(act.reqs)), finished)
+        act.keep(kept)
+        return kept
 
     def _admit(self, new: list[Request]) -> np.ndarray:
         """Take rows, write the prompts into the token table, prefill them (graphed, in chunks)."""

@@ -145,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
     p.add_argument("--run-ahead", type=int, default=1,
                    help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
+    p.add_argument("--wait-at-request-end", action="store_true",
+                   help="read the accept lengths whenever a request may have finished (batches change only with no "
+                        "step in flight: the loop before run AP); default: run ahead through request ends")
     p.add_argument("--identity-check", action="store_true",
                    help="after the sweep, check in float32 that spec and dynamic outputs equal plain decoding")
     p.add_argument("--seed", type=int, default=0)
@@ -188,7 +191,8 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
     gc.collect()
     gc.disable()  # a collection inside a timed window is noise of the size the targets care about
     try:
-        st = DecodeLoop(engine, pool, variant, policy, run_ahead=args.run_ahead).run(
+        st = DecodeLoop(engine, pool, variant, policy, run_ahead=args.run_ahead,
+                        wait_at_request_end=args.wait_at_request_end).run(
             reqs, c, warmup_steps=args.warmup_steps, max_steps=args.steps, min_seconds=args.min_seconds)
     finally:
         gc.enable()

@@ -172,8 +172,8 @@ class DecodeLoop:
         run_ahead: verify steps whose accept lengths may stay unread when the next step is queued
             (0: read them after every verify step, a host sync per step; see the module docstring).
         wait_at_request_end: read the lengths whenever any request may have finished, so that batches
-            change only with no step in flight (the loop before request ends ran ahead; the step-by-step
-            reference for the run-ahead tests).
+            change only with no step in flight (the loop's behaviour before it ran ahead through request
+            ends; the step-by-step reference of the run-ahead tests).
     """
 
     def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: SpeculationPolicy | None = None,

@@ -102,9 +102,13 @@ class _Active:
     draft_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions with valid draft KV
     done: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # tokens generated so far
     limit: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))      # max_new
+    rids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # request ids
 
+    # Requests only join at the end and leave without reordering the rest: the requests of an earlier batch
+    # that are still here lead the batch, in their order (what _commit relies on).
     def add(self, new: list[Request], rows: np.ndarray, prompt_len: int) -> None:
         self.reqs += new
+        self.rids = np.concatenate([self.rids, [r.rid for r in new]]).astype(np.int64)
         self.rows = np.concatenate([self.rows, rows])
         self.lens = np.concatenate([self.lens, np.full(len(new), prompt_len)])
         self.draft_len = np.concatenate([self.draft_len, np.full(len(new), prompt_len - 1)])
@@ -113,11 +117,8 @@ class _Active:
 
     def keep(self, idx: np.ndarray) -> None:
         self.reqs = [self.reqs[i] for i in idx]
-        for name in ("rows", "lens", "draft_len", "done", "limit"):
+        for name in ("rids", "rows", "lens", "draft_len", "done", "limit"):
             setattr(self, name, getattr(self, name)[idx])
-
-    def rids(self) -> np.ndarray:
-        return np.array([r.rid for r in self.reqs], dtype=np.int64)
 
 
 @dataclass
@@ -257,7 +258,7 @@ class DecodeLoop:
             if mode == "verify":
                 accepted = self.pool.run("verify", seq_lens=seq_lens, req_pool_indices=rows)
                 if self.run_ahead:
-                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step, act.rids())
+                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step, act.rids)
                     rows_dev = rows
                     inflight.append(record)
                 else:
@@ -309,30 +310,22 @@ class DecodeLoop:
         the requests admitted since (their lengths are the prompt's, known exactly)."""
         if kept is None and n_kept == len(act.reqs):
             return lens_dev, rows_dev
-        parts_lens, parts_rows = [], []
-        if n_kept:
-            idx = self.h2d(kept) if kept is not None else None
-            parts_lens.append(lens_dev if idx is None else lens_dev.index_select(0, idx))
-            parts_rows.append(rows_dev if idx is None else rows_dev.index_select(0, idx))
-        if len(act.reqs) > n_kept:
-            new = self.h2d(np.stack([act.lens[n_kept:], act.rows[n_kept:]]))
-            parts_lens.append(new[0])
-            parts_rows.append(new[1])
-        if len(parts_lens) == 1:
-            return parts_lens[0], parts_rows[0]
-        return torch.cat(parts_lens), torch.cat(parts_rows)
+        kept = np.arange(n_kept) if kept is None else kept
+        n_new = len(act.reqs) - n_kept
+        dev = self.h2d(np.concatenate([kept, act.lens[n_kept:], act.rows[n_kept:]]))  # one copy for all three
+        idx, new_lens, new_rows = dev[:n_kept], dev[n_kept:n_kept + n_new], dev[n_kept + n_new:]
+        return (torch.cat([lens_dev.index_select(0, idx), new_lens]),
+                torch.cat([rows_dev.index_select(0, idx), new_rows]))
 
     def _commit(self, step: int, mode: str, accepted: np.ndarray, act: _Active, rids: np.ndarray | None = None) -> None:
         """Apply one step's committed token counts to the host state (and the stats, in the timed window).
         ``rids``: the step's requests in batch order, where the batch may have changed since (lengths of
         requests retired meanwhile are dropped); ``None``: the current batch."""
-        if rids is None:
-            at = np.arange(len(act.reqs))
-        else:
-            where = {rid: i for i, rid in enumerate(act.rids())}
-            mine = [(j, where[r]) for j, r in enumerate(rids.tolist()) if r in where]
-            accepted = accepted[[j for j, _ in mine]]
-            at = np.array([i for _, i in mine], dtype=np.int64)
+        if rids is not None:  # the step's requests still here lead the batch, in order (see _Active)
+            here = np.isin(rids, act.rids)
+            accepted = accepted[here]
+            assert np.array_equal(act.rids[:len(accepted)], rids[here])
+        at = slice(0, len(accepted))
         if mode == "verify":
             act.draft_len[at] = act.lens[at]  # the step's first draft pass wrote KV up to its input lengths
         gained = np.minimum(accepted, act.limit[at] - act.done[at])

@@ -80,29 +80,19 @@ def param_layout(func: int) -> list[tuple[int, int]]:
         i += 1
 
 
-# From `meta` on, the body is graphpool's staging kernel's (kernels/stage.py, `_stage_kernel`) with the row
-# taken from the arguments instead of the pinned ring. It is a copy on purpose: the core kernel stays as the
-# H200 runs validated it until this design is adopted (then both would share one Triton helper).
-@triton.jit(do_not_specialize=["real_bs", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "step", "done_addr"])
-def _param_stage_kernel(real_bs: tl.int64, s0: tl.int64, s1: tl.int64, s2: tl.int64, s3: tl.int64, s4: tl.int64,
-                        s5: tl.int64, s6: tl.int64, s7: tl.int64, step: tl.int64, done_addr: tl.int64, meta_ptr,
-                        padded_bs, tokens_per_seq, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    which = tl.program_id(0)
-    block = tl.program_id(1)
-    if which + block == 0:
-        tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
-    src_addr = tl.where(which == 0, s0, tl.where(which == 1, s1, tl.where(which == 2, s2, tl.where(
-        which == 3, s3, tl.where(which == 4, s4, tl.where(which == 5, s5, tl.where(which == 6, s6, s7)))))))
-    meta = meta_ptr + which * 4
-    dst_addr = tl.load(meta)
-    fill_addr = tl.load(meta + 1)
-    row_words = tl.load(meta + 2)
-    rows_per_seq = tl.where(tl.load(meta + 3) != 0, tokens_per_seq, 1)
-    if WORD == 4:
-        kind = tl.pointer_type(tl.int32)
-    else:
-        kind = tl.pointer_type(tl.int64)
-    src, dst, fill = src_addr.to(kind), dst_addr.to(kind), fill_addr.to(kind)
+@triton.jit
+def _pick(which, v0, v1, v2, v3, v4, v5, v6, v7):
+    """Argument ``which`` of eight: a program's own input, chosen among scalar arguments."""
+    return tl.where(which == 0, v0, tl.where(which == 1, v1, tl.where(which == 2, v2, tl.where(
+        which == 3, v3, tl.where(which == 4, v4, tl.where(which == 5, v5, tl.where(which == 6, v6, v7)))))))
+
+
+# The copy is graphpool's staging kernel's (kernels/stage.py, `_stage_kernel`) with the row taken from the
+# arguments instead of the pinned ring. It is a copy on purpose: the core kernel stays as the H200 runs
+# validated it until this design is adopted (then both would share one Triton helper).
+@triton.jit
+def _copy_rows(src, dst, fill, row_words, rows_per_seq, real_bs, padded_bs, block, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` words of one input: its real rows from ``src``, the fill row past them."""
     real_words = real_bs * rows_per_seq * row_words
     total_words = padded_bs * rows_per_seq * row_words
     offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -113,10 +103,26 @@ def _param_stage_kernel(real_bs: tl.int64, s0: tl.int64, s1: tl.int64, s2: tl.in
     tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
 
 
-@triton.jit
-def _pick(which, v0, v1, v2, v3, v4, v5, v6, v7):
-    return tl.where(which == 0, v0, tl.where(which == 1, v1, tl.where(which == 2, v2, tl.where(
-        which == 3, v3, tl.where(which == 4, v4, tl.where(which == 5, v5, tl.where(which == 6, v6, v7)))))))
+@triton.jit(do_not_specialize=["real_bs", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "step", "done_addr"])
+def _param_stage_kernel(real_bs: tl.int64, s0: tl.int64, s1: tl.int64, s2: tl.int64, s3: tl.int64, s4: tl.int64,
+                        s5: tl.int64, s6: tl.int64, s7: tl.int64, step: tl.int64, done_addr: tl.int64, meta_ptr,
+                        padded_bs, tokens_per_seq, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    which = tl.program_id(0)
+    block = tl.program_id(1)
+    if which + block == 0:
+        tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
+    src_addr = _pick(which, s0, s1, s2, s3, s4, s5, s6, s7)
+    meta = meta_ptr + which * 4
+    dst_addr = tl.load(meta)
+    fill_addr = tl.load(meta + 1)
+    row_words = tl.load(meta + 2)
+    rows_per_seq = tl.where(tl.load(meta + 3) != 0, tokens_per_seq, 1)
+    if WORD == 4:
+        kind = tl.pointer_type(tl.int32)
+    else:
+        kind = tl.pointer_type(tl.int64)
+    _copy_rows(src_addr.to(kind), dst_addr.to(kind), fill_addr.to(kind), row_words, rows_per_seq, real_bs,
+               padded_bs, block, BLOCK)
 
 
 _ARGS = [f"{c}{i}" for c in "sdfwp" for i in range(MAX_INPUTS)]
@@ -140,19 +146,12 @@ def _args_stage_kernel(real_bs: tl.int64, step: tl.int64, done_addr: tl.int64,
         if which + block == 0:
             tl.store(done_addr.to(tl.pointer_type(tl.int64)), step)
     kind = tl.pointer_type(tl.int32)
+    rows_per_seq = tl.where(_pick(which, p0, p1, p2, p3, p4, p5, p6, p7) != 0, tokens_per_seq, 1)
     src = _pick(which, s0, s1, s2, s3, s4, s5, s6, s7).to(kind)
     dst = _pick(which, d0, d1, d2, d3, d4, d5, d6, d7).to(kind)
     fill = _pick(which, f0, f1, f2, f3, f4, f5, f6, f7).to(kind)
-    row_words = _pick(which, w0, w1, w2, w3, w4, w5, w6, w7)
-    rows_per_seq = tl.where(_pick(which, p0, p1, p2, p3, p4, p5, p6, p7) != 0, tokens_per_seq, 1)
-    real_words = real_bs * rows_per_seq * row_words
-    total_words = padded_bs * rows_per_seq * row_words
-    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < total_words
-    real = offs < real_words
-    from_src = tl.load(src + offs, mask=inside & real, other=0)
-    from_fill = tl.load(fill + offs % row_words, mask=inside & (offs >= real_words), other=0)
-    tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+    _copy_rows(src, dst, fill, _pick(which, w0, w1, w2, w3, w4, w5, w6, w7), rows_per_seq, real_bs, padded_bs, block,
+               BLOCK)
 
 
 @triton.jit

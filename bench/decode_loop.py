@@ -44,9 +44,14 @@ in the graph (:mod:`bench.engine.fi_attention`), fewer ops in the tree acceptanc
 the next verify step before reading the last one's accept lengths (``--run-ahead``). ``bench/profile_step.py``
 shows where a step's time goes. Eager plain steps (dyn-eager) still launch every op from Python (~100
 ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among the slowest), which is
-what graphs exist to remove. Outputs of 96-112 tokens outlast a plain run's window (83 steps), so plain
-and eager-plain windows hold decode steps only, not the prefills of new arrivals (a batch-1 prefill costs
-about one decode step here).
+what graphs exist to remove.
+
+Windows last at least one second on a GPU (``--min-seconds``) as well as ``--steps`` steps. Each request
+costs a prefill (~1.3 ms at batch size 1 here) and, with speculation, a wait at its end (the host must
+read the last accept lengths before it admits the next request). A window of 40 steps held none of that
+for plain decode at C = 1 (outputs of 96-112 tokens outlast it) but one or two request switches for
+speculation (~3 tokens a step), which charged the switches to speculation alone; a one-second window holds
+about ten requests of either, so both pay their per-request costs per token as a server does.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
 from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
+from bench.engine.gemv import use_skinny  # noqa: E402
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
@@ -119,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 8 CPU)")
     p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 3 GPU, 1 CPU)")
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="each timed window lasts at least this long (default 0: windows end after --steps, so "
-                        "every variant sees the same arrivals)")
+                   help="each timed window also lasts at least this long (default: 1 on a GPU, so that every "
+                        "variant's window holds many request switches, see above; 0 on CPU and with --tp, where "
+                        "windows end after --steps)")
     p.add_argument("--threshold", default="auto",
                    help="speculate at batch sizes <= this; 'auto' picks it on a GPU from this run's plain and "
                         "spec figures (the crossover; see choose_threshold) and resumes at the swept C below it; "
@@ -143,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each (bench/engine/draft_select.py, tree_kernels.py); auto: the kernels on CUDA")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
+    p.add_argument("--skinny", default="off", choices=["on", "off"],
+                   help="16-bit products of 2-16 tokens (draft levels, verify at C = 1, plain decode at C <= 16) "
+                        "through the skinny tensor-core GEMM of bench/engine/skinny.py, or the BLAS library")
     p.add_argument("--run-ahead", type=int, default=1,
                    help="verify steps queued before the host reads their accept lengths (0: a sync per step)")
     p.add_argument("--wait-at-request-end", action="store_true",
@@ -173,7 +183,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     preset = PRESETS[args.size]
     args.steps = args.steps or ((40 if args.quick else 80) if gpu else 8)
     args.warmup_steps = (3 if gpu else 1) if args.warmup_steps is None else args.warmup_steps
-    args.min_seconds = args.min_seconds or 0.0
+    if args.min_seconds is None:  # --tp refuses a clock-based window (ranks must agree on the step count)
+        args.min_seconds = 1.0 if gpu and args.tp == 1 else 0.0
     args.prompt_len = args.prompt_len or preset.prompt_len
     args.min_new = args.min_new or preset.min_new
     args.max_new = args.max_new or preset.max_new
@@ -186,6 +197,8 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
     spec = engine.spec
     # Enough requests that C stay in flight for the whole window (a window that outlasts them ends early).
     n_req = c + math.ceil(4 * (args.warmup_steps + args.steps) * c * (spec.steps + 1) / args.min_new) + 1
+    # and for a --min-seconds window: no sequence commits more than ~2000 tokens/s here (C = 1, speculation: ~1600)
+    n_req += math.ceil(args.min_seconds * 2000 * c / args.min_new)
     reqs = make_requests(n_req, args.prompt_len, engine.cfg.vocab_size, args.min_new, args.max_new, args.seed)
     started = time.perf_counter()
     gc.collect()
@@ -284,6 +297,7 @@ def run(tp, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         blas = select_blas(args.blas, args.device)
+        use_skinny(args.skinny == "on")  # before the pool captures
         engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                              dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
                              attention=args.attention, kernels=args.kernels)
@@ -294,7 +308,7 @@ def run(tp, args: argparse.Namespace) -> int:
     selection += " (auto)" if spec.draft_select == "auto" else ""
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
-          f"draft selection, {blas} GEMMs, run-ahead {args.run_ahead})", flush=True)
+          f"draft selection, {blas} GEMMs, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
@@ -351,7 +365,7 @@ def run(tp, args: argparse.Namespace) -> int:
             "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
                             "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
-            "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas,
+            "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas, "skinny": args.skinny,
             "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes

@@ -52,7 +52,7 @@ CATEGORIES = [  # first match wins
     ("triton", re.compile(r"^_(add_rmsnorm|rope_qk|silu_mul|store_kv|kv_indices|pack_mask|level|embed_rmsnorm|argmax_rows|select|accept|rope_q_store_kv)_kernel")),
     ("attention", re.compile(r"flashinfer|BatchPrefill|BatchDecode|PrefillWith|DecodeWith|MergeStates|fmha|flash|"
                              r"attention|efficient", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),  # _gemv_kernel too
+    ("gemm", re.compile(r"gemm|gemv|skinny|split_reduce|cutlass|nvjet|xmma|cublas|splitk|wgmma", re.I)),  # the Triton GEMV and skinny GEMM too
     ("copy", re.compile(r"memcpy|memset", re.I)),
 ]
 STEP_MARK = "_stage_kernel"  # graphpool's staging kernel: the first node of every step graph
@@ -262,6 +262,9 @@ def parse_args(argv=None):
     p.add_argument("--gemv", default="on", choices=["on", "off"],
                    help="16-bit products of one token through the engine's Triton GEMV (on, the default) or the "
                         "BLAS library like every other GEMM (bench/engine/gemv.py)")
+    p.add_argument("--skinny", default="off", choices=["on", "off"],
+                   help="16-bit products of 2-16 tokens through the engine's skinny tensor-core GEMM "
+                        "(bench/engine/skinny.py) or the BLAS library (off)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")
     p.add_argument("--trace", default=None, help="also write the last config's spec trace (chrome, gzipped) here")
     p.add_argument("--trace-all", action="store_true", help="with --trace: every variant's trace, named by variant")
@@ -279,6 +282,7 @@ def main(argv=None) -> int:
         return 0
     blas = select_blas(args.blas, "cuda")
     gemv.use_gemv(args.gemv == "on")  # before the engine captures its graphs
+    gemv.use_skinny(args.skinny == "on")
     cfg = getattr(ModelConfig, args.size)()
     spec = SpecConfig(draft_noise=args.draft_noise, draft_select=args.draft_select)
     if (args.warmup + args.steps) * (spec.steps + 1) > args.max_new:
@@ -316,10 +320,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                     "model": args.size, "dtype": args.dtype, "blas": blas,
-                                                    "gemv": args.gemv, "results": results},
+                                                    "gemv": args.gemv, "skinny": args.skinny, "results": results},
                                                    indent=1, default=str))
     print(f"wrote {out.with_suffix('.json')}")
-    print(f"GEMMs through {blas}; the Triton GEMV at one token {args.gemv}")
+    print(f"GEMMs through {blas}; the Triton GEMV at one token {args.gemv}; the skinny GEMM at 2-16 tokens {args.skinny}")
     print(table(rows))
     print(kernel_table(rows[-2]))  # the last config's speculative step: what to fuse next
     return 0

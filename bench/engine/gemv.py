@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import silu_mul, triton
+from .skinny import skinny, skinny_applies
 
 if triton is not None:
     import triton.language as tl
@@ -36,6 +37,7 @@ if triton is not None:
     from .fused import swiglu
 
 GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS (0: never)
+SKINNY = False             # 2-16 rows through bench.engine.skinny instead of cuBLAS (use_skinny)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -45,6 +47,13 @@ def use_gemv(enabled: bool) -> None:
     before a pool captures (``bench/profile_step.py --gemv off``)."""
     global GEMV_MAX_ROWS
     GEMV_MAX_ROWS = 1 if enabled else 0
+
+
+def use_skinny(enabled: bool) -> None:
+    """Send 16-bit products of 2-16 rows through the skinny tensor-core GEMM of :mod:`bench.engine.skinny`
+    (on) or the BLAS library (off) for this process; read at each call, so set it before a pool captures."""
+    global SKINNY
+    SKINNY = bool(enabled)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -131,6 +140,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
     and :func:`gemv_applies`, cuBLAS otherwise."""
     if fused and gemv_applies(x, weight):
         return gemv(x, weight, silu=False)
+    if fused and SKINNY and skinny_applies(x, weight):
+        return skinny(x, weight, silu=False)
     return F.linear(x, weight)
 
 
@@ -140,6 +151,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch
     :func:`bench.engine.fused.silu_mul` (a Triton kernel where ``fused``, torch ops otherwise)."""
     if fused and gemv_applies(x, weight):
         return gemv(x, weight, silu=True)
+    if fused and SKINNY and skinny_applies(x, weight):
+        return skinny(x, weight, silu=True)
     return silu_mul(F.linear(x, weight), fused)
 
 

@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each (bench/engine/draft_select.py, tree_kernels.py); auto: the kernels on CUDA")
     p.add_argument("--blas", default="default", choices=BLAS,
                    help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
-    p.add_argument("--skinny", default="off", choices=["on", "off"],
+    p.add_argument("--skinny", default="on", choices=["on", "off"],
                    help="16-bit products of 2-16 tokens (draft levels, verify at C = 1, plain decode at C <= 16) "
                         "through the skinny tensor-core GEMM of bench/engine/skinny.py, or the BLAS library")
     p.add_argument("--run-ahead", type=int, default=1,

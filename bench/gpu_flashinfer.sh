@@ -64,8 +64,8 @@ EOF
 stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
 # The plain step is GEMM-bound: the same profile with every GEMM through cuBLAS (no Triton GEMV at one token:
 # the engine before it). bench/gemv_probe.py times each shape (cuBLASLt = cuBLAS, run AB).
-stage "profile (C = 1) --gemv off" 45 python3 bench/profile_step.py --configs flashinfer:fused \
-  --gemv off --out "$OUT/profile_step_blas"
+stage "profile (C = 1) --gemv off --skinny off" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+  --gemv off --skinny off --out "$OUT/profile_step_blas"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.

@@ -262,7 +262,7 @@ def parse_args(argv=None):
     p.add_argument("--gemv", default="on", choices=["on", "off"],
                    help="16-bit products of one token through the engine's Triton GEMV (on, the default) or the "
                         "BLAS library like every other GEMM (bench/engine/gemv.py)")
-    p.add_argument("--skinny", default="off", choices=["on", "off"],
+    p.add_argument("--skinny", default="on", choices=["on", "off"],
                    help="16-bit products of 2-16 tokens through the engine's skinny tensor-core GEMM "
                         "(bench/engine/skinny.py) or the BLAS library (off)")
     p.add_argument("--out", default="out/profile_step", help="output prefix (.json)")

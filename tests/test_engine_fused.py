@@ -248,11 +248,16 @@ class _Recorder:
 
 @pytest.mark.parametrize("attention", ["flashinfer-reference", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_model_forward_kv_sink_matches_store_in_callable(attention, dtype):
+def test_model_forward_kv_sink_matches_store_in_callable(attention, dtype, monkeypatch):
     """A fused model over an attention with kv_sink (one launch ropes q and k and writes k and v into the
     cache; the callable gets k = v = None) against the same model and attention without the sink (rope_qk,
     then the callable stores k and v): prefill, decode and a tree step over the cache those wrote, equal
     outputs and caches, bit for bit."""
+    # The projections on cuBLAS: the last check compares with the torch path through two layers, and the
+    # skinny GEMM's rounding in Triton's interpreter (truncation) drifts past an ulp there; it has its own
+    # tests (tests/test_engine_skinny.py).
+    from bench.engine import gemv
+    monkeypatch.setattr(gemv, "SKINNY", False)
     cfg = ModelConfig.tiny()
     model = build_target(cfg, seed=7, device=DEVICE, dtype=dtype)
     model.fused = True

@@ -76,7 +76,8 @@ def test_gemv_configs_agree(silu):
         _close(gemv.gemv(x, w, silu=silu, config=config), want, torch.bfloat16, ulps=3 if silu else 1)
 
 
-def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply():
+def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply(monkeypatch):
+    monkeypatch.setattr(gemv, "SKINNY", False)  # 2-16 rows: cuBLAS here (tests/test_engine_skinny.py: the skinny GEMM)
     x, w = _operands(1, 16, 32, torch.bfloat16, seed=5)
     assert gemv.gemv_applies(x, w)
     two = torch.cat([x, x])  # more rows than GEMV_MAX_ROWS: cuBLAS

@@ -93,17 +93,77 @@ def draft_level(logits: torch.Tensor, beam_scores: torch.Tensor | None, k: int, 
     rows_block, block_v = triton.next_power_of_2(rows), triton.next_power_of_2(logits.shape[1])
     shape = dict(ROWS=rows, K=k, ROWS_BLOCK=rows_block, K_BLOCK=triton.next_power_of_2(k), BLOCK_V=block_v,
                  num_warps=_num_warps(rows_block * block_v))
+    unused = dict(prev_id_ptr=tokens, parents_ptr=tokens, anc_in_ptr=tokens, anc_out_ptr=tokens, cand_stride=n,
+                  cand_col=0, anc_width=1, anc_col=0, INTO=False, ANC=False, AW_BLOCK=1)
     if beam_scores is None:
-        _level_kernel[(bs,)](logits, logits, tokens, scores, tokens, tokens, scores, tokens, logits.shape[1],
-                             logits.stride(0), penalty, offset, HAS_BEAM=False, **shape)
+        _level_kernel[(bs,)](logits, logits, tokens, scores, tokens, tokens, scores, tokens, vocab=logits.shape[1],
+                             stride_row=logits.stride(0), penalty=penalty, offset=offset, HAS_BEAM=False,
+                             **unused, **shape)
         return Level(tokens, scores, tokens, scores, None, None)
     beam_scores = beam_scores.float().contiguous()
     best = torch.empty(bs, k, dtype=torch.long, device=dev)
     beam_tokens, beam_ids = torch.empty_like(best), torch.empty_like(best)
     beam_out = torch.empty(bs, k, dtype=torch.float32, device=dev)
     _level_kernel[(bs,)](logits, beam_scores, tokens, scores, best, beam_tokens, beam_out, beam_ids,
-                         logits.shape[1], logits.stride(0), penalty, offset, HAS_BEAM=True, **shape)
+                         vocab=logits.shape[1], stride_row=logits.stride(0), penalty=penalty, offset=offset,
+                         HAS_BEAM=True, **unused, **shape)
     return Level(tokens, scores, beam_tokens, beam_out, beam_ids, best)
+
+
+class Beam(NamedTuple):
+    """A draft level's beam as :func:`draft_level_into` leaves it (``[bs, k]`` each; ``ancestors`` ``[bs,
+    k, width]``: column ``j`` set where scratch column ``n + j`` holds an ancestor of the node, or itself)."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    ids: torch.Tensor
+    ancestors: torch.Tensor
+
+
+class Candidates(NamedTuple):
+    """Every candidate of a draft tree, all levels side by side (``[bs, total]``): what the tree's selection
+    reads (:func:`bench.engine.tree_kernels.select_tree_fused`). Each level writes its own columns."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parents: torch.Tensor
+
+    @classmethod
+    def empty(cls, bs: int, total: int, device: torch.device) -> "Candidates":
+        return cls(torch.empty(bs, total, dtype=torch.long, device=device),
+                   torch.empty(bs, total, dtype=torch.float32, device=device),
+                   torch.empty(bs, total, dtype=torch.long, device=device))
+
+
+def draft_level_into(logits: torch.Tensor, beam: Beam | None, k: int, penalty: float, offset: int,
+                     cands: Candidates, anc_width: int, anc_col: int | None) -> Beam:
+    """One draft level of the engine's fused path, all of it in one launch: :func:`draft_level`'s selection
+    with its candidates written to columns ``offset ..`` of ``cands`` (so the levels need no concatenation),
+    each candidate's parent id beside them (``-1`` at the root, else the beam node's id), and the next beam
+    with its ancestor rows: the parent node's row plus column ``anc_col + j`` for node ``j`` (at the root,
+    only that column). ``anc_col=None`` skips the ancestors (the last level's beam grows no further).
+
+    The same values as the torch code of ``Engine._draft_tree`` (``draft_level``, the parents' expand, the
+    ancestors' gather and ``|= eye``, the concatenations). Triton on CUDA, or its interpreter."""
+    rows = 1 if beam is None else beam.tokens.shape[1]
+    bs = logits.shape[0] // rows
+    dev = logits.device
+    rows_block, block_v = triton.next_power_of_2(rows), triton.next_power_of_2(logits.shape[1])
+    tokens, scores = torch.empty(bs, k, dtype=torch.long, device=dev), torch.empty(bs, k, dtype=torch.float32, device=dev)
+    ids, best = torch.empty_like(tokens), torch.empty_like(tokens)
+    ancestors = torch.empty(bs, k, anc_width, dtype=torch.bool, device=dev)  # every element written with anc_col
+    anc_out = ancestors.view(torch.int8) if anc_col is not None else tokens
+    anc_in = beam.ancestors.view(torch.int8) if beam is not None and anc_col is not None else anc_out
+    prev_scores = beam.scores if beam is not None else logits
+    prev_ids = beam.ids if beam is not None else tokens
+    _level_kernel[(bs,)](logits, prev_scores, cands.tokens, cands.scores, best, tokens, scores, ids, prev_ids,
+                         cands.parents, anc_in, anc_out, vocab=logits.shape[1], stride_row=logits.stride(0),
+                         penalty=penalty, offset=offset, cand_stride=cands.tokens.stride(0), cand_col=offset,
+                         anc_width=anc_width, anc_col=anc_col or 0, ROWS=rows, K=k, ROWS_BLOCK=rows_block,
+                         K_BLOCK=triton.next_power_of_2(k), BLOCK_V=block_v, HAS_BEAM=beam is not None, INTO=True,
+                         ANC=anc_col is not None, AW_BLOCK=triton.next_power_of_2(anc_width),
+                         num_warps=_num_warps(rows_block * block_v))
+    return Beam(tokens, scores, ids, ancestors)
 
 
 def _num_warps(elements: int) -> int:
@@ -127,11 +187,15 @@ def _torch_level(logits: torch.Tensor, beam_scores: torch.Tensor | None, k: int,
 if triton is not None:
     @triton.jit
     def _level_kernel(logits_ptr, beam_ptr, tokens_ptr, scores_ptr, best_ptr, beam_tok_ptr, beam_score_ptr,
-                      beam_id_ptr, vocab, stride_row, penalty, offset, ROWS: tl.constexpr, K: tl.constexpr,
+                      beam_id_ptr, prev_id_ptr, parents_ptr, anc_in_ptr, anc_out_ptr, vocab, stride_row, penalty,
+                      offset, cand_stride, cand_col, anc_width, anc_col, ROWS: tl.constexpr, K: tl.constexpr,
                       ROWS_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
-                      HAS_BEAM: tl.constexpr):
+                      HAS_BEAM: tl.constexpr, INTO: tl.constexpr, ANC: tl.constexpr, AW_BLOCK: tl.constexpr):
         # One program per sequence; its ROWS beam rows are one [ROWS_BLOCK, BLOCK_V] tile, and every
-        # reduction runs along the vocabulary (axis 1) for all rows at once.
+        # reduction runs along the vocabulary (axis 1) for all rows at once. Candidates go to columns
+        # cand_col.. of rows of cand_stride. INTO (the engine's whole-tree path) also writes each candidate's
+        # parent (the beam node it grew from, prev_id; -1 at the root), at the root the beam's ids, and with
+        # ANC the next beam's ancestor rows (anc_in's row of each pick's parent, plus its own column).
         b = tl.program_id(0).to(tl.int64)
         rows = tl.arange(0, ROWS_BLOCK)
         cols = tl.arange(0, BLOCK_V)
@@ -160,8 +224,26 @@ if triton is not None:
             cand_tok = tl.where(picks[None, :] == j, best_col.to(tl.int64)[:, None], cand_tok)
             x = tl.where(cols[None, :] == best_col[:, None], float("-inf"), x)
         n = ROWS * K
-        tl.store(tokens_ptr + b * n + slot, cand_tok, mask=valid)
-        tl.store(scores_ptr + b * n + slot, cand_score, mask=valid)
+        out = b * cand_stride + cand_col + slot
+        tl.store(tokens_ptr + out, cand_tok, mask=valid)
+        tl.store(scores_ptr + out, cand_score, mask=valid)
+        aw = tl.arange(0, AW_BLOCK)
+        if INTO:
+            if HAS_BEAM:
+                parent = tl.load(prev_id_ptr + b * ROWS + rows, mask=row_ok, other=-1)
+            else:
+                parent = tl.full([ROWS_BLOCK], -1, tl.int64)
+            tl.store(parents_ptr + out, (tl.zeros([ROWS_BLOCK, K_BLOCK], dtype=tl.int64) + parent[:, None]),
+                     mask=valid)
+            if not HAS_BEAM:  # the root's children are the next beam as they come: ids offset.., own column
+                tl.store(beam_tok_ptr + b * K + picks, tl.sum(tl.where(valid, cand_tok, 0), axis=0), mask=picks < K)
+                tl.store(beam_score_ptr + b * K + picks, tl.sum(tl.where(valid, cand_score, 0.0), axis=0),
+                         mask=picks < K)
+                tl.store(beam_id_ptr + b * K + picks, offset + picks.to(tl.int64), mask=picks < K)
+                if ANC:
+                    own = (aw[None, :] == (anc_col + picks)[:, None]).to(tl.int8)
+                    tl.store(anc_out_ptr + (b * K + picks)[:, None] * anc_width + aw[None, :], own,
+                             mask=(picks < K)[:, None] & (aw < anc_width)[None, :])
         if HAS_BEAM:  # the next beam: the K best of this level's candidates, best first
             free = valid  # candidates not yet in the beam (padding never is one)
             for j in tl.static_range(K):
@@ -174,4 +256,8 @@ if triton is not None:
                 tl.store(beam_tok_ptr + b * K + j, tl.sum(tl.sum(tl.where(chosen, cand_tok, 0), axis=1), axis=0))
                 tl.store(beam_score_ptr + b * K + j, best_score)
                 tl.store(beam_id_ptr + b * K + j, offset + pick.to(tl.int64))
+                if ANC:  # this node's ancestors: its parent's (beam row pick // K), and its own column
+                    row = tl.load(anc_in_ptr + (b * ROWS + pick // K) * anc_width + aw, mask=aw < anc_width, other=0)
+                    row = tl.where(aw == anc_col + j, 1, row)
+                    tl.store(anc_out_ptr + (b * K + j) * anc_width + aw, row.to(tl.int8), mask=aw < anc_width)
                 free = free & (slot != pick)

@@ -21,7 +21,8 @@ from graphpool import GraphPool, Mode, StepBatch, StepInput
 
 from .attention import TorchLayouts
 from .config import ModelConfig, SpecConfig
-from .draft_select import draft_level, resolve_draft_select
+from .draft_inputs import DraftInputs, draft_inputs
+from .draft_select import Candidates, draft_level, draft_level_into, resolve_draft_select
 from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
 from .kv_cache import DUMMY_ROW, KVCache, ReqToTokenPool, SlotAllocator
 from .model import build_draft, build_target
@@ -158,9 +159,11 @@ class Engine:
         (end of :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
         (:mod:`bench.engine.tree_kernels`), besides each draft level's selection; else the torch ops."""
         sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
-        tree = self._draft_tree(n, rows)
+        inputs = draft_inputs(self.token_table, rows, n, sp.window, sp.steps, sp.topk, c.window_cols,
+                              self.fused_draft_select)
+        tree = self._draft_tree(n, rows, inputs)
         # Verify: node i sits in the row's slot at column n-1+i (the root's own slot, then scratch columns).
-        last = n - 1
+        last = inputs.last
         self.target_attn.meta = self.layouts.tree(rows, last, tree.mask)
         hidden = self.target(tree.tokens.reshape(-1), (last[:, None] + tree.depth).reshape(-1), self.target_attn)
         # Accept; the accepted nodes' slots move to columns n-1 .. n-1+a (a permutation of the row: no KV
@@ -169,15 +172,15 @@ class Engine:
                                        self.req_to_token, self.token_table, c.tree_cols, c.commit_cols,
                                        self.fused_draft_select)
 
-    def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor):
+    def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs):
         sp, bs, c = self.spec, rows.shape[0], self._const
         k, w = sp.topk, sp.window
         # Pass 1 re-reads the last `window` committed tokens: it (re)writes their draft KV, which covers
         # every token committed by the previous step, and scores the root's children.
-        start = (n - w).clamp(min=0)  # clamp: padded rows have n = 1
-        pos = start[:, None] + c.window_cols
-        self.draft_attn.meta = self.layouts.causal(rows, start, w)
-        hidden = self.draft(self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1), self.draft_attn)
+        self.draft_attn.meta = self.layouts.causal(rows, inputs.start, w)
+        hidden = self.draft(inputs.window_ids, inputs.window_pos, self.draft_attn)
+        if self.fused_draft_select:
+            return self._draft_levels_fused(n, rows, inputs, self.draft.lm_head(hidden.view(bs, w, -1)[:, -1]))
         root = draft_level(self.draft.lm_head(hidden.view(bs, w, -1)[:, -1]), None, k, DEPTH_PENALTY, 0,
                            self.fused_draft_select)
         cand_tok, cand_score = [root.tokens], [root.scores]
@@ -191,8 +194,7 @@ class Engine:
             # Forward the level d-1 beam (its nodes' KV go to scratch columns n+(d-2)k ..): each node
             # attends the committed prefix and its own ancestors.
             self.draft_attn.meta = self.layouts.tree(rows, n, beam_anc[:, :, :(d - 1) * k])
-            positions = (n + (d - 2))[:, None].expand(bs, k).reshape(-1)
-            hidden = self.draft(beam_tok.reshape(-1), positions, self.draft_attn)
+            hidden = self.draft(beam_tok.reshape(-1), inputs.level_pos[d - 2], self.draft_attn)
             level = draft_level(self.draft.lm_head(hidden), beam_score, k, DEPTH_PENALTY, offset,
                                 self.fused_draft_select)
             cand_tok.append(level.tokens), cand_score.append(level.scores)
@@ -203,9 +205,26 @@ class Engine:
                 beam_anc = beam_anc.gather(1, (best // k)[..., None].expand(bs, k, beam_anc.shape[2]))
                 beam_anc[:, :, (d - 1) * k:d * k] |= c.eye
             offset += k * k
-        root = self.token_table[rows, n - 1]
-        return select_tree_fused(root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
+        return select_tree_fused(inputs.root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
                                  c.cand_depth, sp.num_draft_tokens, sp.steps, self.fused_draft_select)
+
+    def _draft_levels_fused(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs, root_logits: torch.Tensor):
+        """:meth:`_draft_tree` from the root's logits on, one launch per level for each level's selection,
+        candidates, parents and the next beam's ancestors (:func:`bench.engine.draft_select.draft_level_into`):
+        the same tree as the torch loop there, without its concatenations, expand copies and gathers."""
+        sp, bs, c = self.spec, rows.shape[0], self._const
+        k, width = sp.topk, c.first_ancestors.shape[2]
+        cands = Candidates.empty(bs, c.cand_depth.shape[0], rows.device)
+        beam = draft_level_into(root_logits, None, k, DEPTH_PENALTY, 0, cands, width, 0 if sp.steps > 1 else None)
+        offset = k
+        for d in range(2, sp.steps + 1):
+            self.draft_attn.meta = self.layouts.tree(rows, n, beam.ancestors[:, :, :(d - 1) * k])
+            hidden = self.draft(beam.tokens.reshape(-1), inputs.level_pos[d - 2], self.draft_attn)
+            beam = draft_level_into(self.draft.lm_head(hidden), beam, k, DEPTH_PENALTY, offset, cands, width,
+                                    (d - 1) * k if d < sp.steps else None)
+            offset += k * k
+        return select_tree_fused(inputs.root, cands.tokens, cands.scores, cands.parents, c.cand_depth,
+                                 sp.num_draft_tokens, sp.steps, True)
 
     # ------------------------------------------------------------------------------- eager helpers
     @torch.no_grad()

@@ -37,7 +37,7 @@ if triton is not None:
     from .fused import swiglu
 
 GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS (0: never)
-SKINNY = False             # 2-16 rows through bench.engine.skinny instead of cuBLAS (use_skinny)
+SKINNY = True              # 2-16 rows through bench.engine.skinny instead of cuBLAS (use_skinny)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -51,7 +51,8 @@ def use_gemv(enabled: bool) -> None:
 
 def use_skinny(enabled: bool) -> None:
     """Send 16-bit products of 2-16 rows through the skinny tensor-core GEMM of :mod:`bench.engine.skinny`
-    (on) or the BLAS library (off) for this process; read at each call, so set it before a pool captures."""
+    (on, the default) or the BLAS library (off) for this process; read at each call, so set it before a pool
+    captures."""
     global SKINNY
     SKINNY = bool(enabled)
 

@@ -40,20 +40,30 @@ Config = tuple[int, int, int, int, int]   # (BLOCK_N, BLOCK_K, num_warps, stages
 
 def skinny_config(n: int, k: int, silu: bool = False) -> Config:
     """``(BLOCK_N, BLOCK_K, num_warps, stages, split_k)`` for ``x [M <= 16, k] @ weight[n, k]^T`` (``n``
-    outputs; with ``silu`` each output reads a gate and an up row). See :data:`CONFIGS` for where the
-    choices come from; shapes not listed get a rule of thumb: enough programs for two per SM."""
+    outputs; with ``silu`` each output reads a gate and an up row): :data:`CONFIGS` where the shape is
+    listed, else the rule its entries follow: row blocks of 64, k blocks of 256 (128 with SwiGLU's two
+    tiles, in 3 stages, to fit the shared memory), and ``K`` split until the programs cover the SMs once."""
     key = (n, k, silu)
     if key in CONFIGS:
         return CONFIGS[key]
-    block_n = 16
+    block_n, block_k, stages = 64, 128 if silu else 256, 3 if silu else 4
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = 1
-    while split < 8 and (n // block_n) * split < 264 and k // (split * 2) >= 256:
+    while split < 8 and -(-n // block_n) * split < 132 and k % (2 * split) == 0 and k // (2 * split) >= block_k:
         split *= 2
-    return block_n, 256 if k >= 256 else max(16, triton.next_power_of_2(k)), 4, 3, split
+    return block_n, block_k, 4, stages, split
 
 
-# The medium model's shapes (n outputs, K, silu); filled from bench/gemv_probe.py --skinny on the H200.
-CONFIGS: dict[tuple[int, int, bool], Config] = {}
+# The medium model's shapes ``(n outputs, K, silu)``: the best of 60 configurations at 4 and 16 rows on the
+# H200 (``bench/gemv_probe.py --skinny``, run AU in bench/RESULTS.md; scored as a speculative step at C = 1
+# calls them, four draft levels and one verify). None of them splits K: with 64- and 128-row blocks the
+# unsplit kernel was as fast as the split one and saves the reduce launch.
+CONFIGS: dict[tuple[int, int, bool], Config] = {
+    (5120, 4096, False): (64, 256, 4, 4, 1),    # qkv: 13.2 / 13.3 us at 4 / 16 rows (cuBLAS 13.2 / 13.5)
+    (4096, 4096, False): (64, 256, 4, 4, 1),    # o, and the LM head: 11.7 / 11.6 (13.3 / 13.3)
+    (14336, 4096, True): (128, 128, 8, 3, 1),   # gate/up + SwiGLU: 55.7 / 56.3 (57.7 / 58.3, with its SwiGLU launch)
+    (4096, 14336, False): (64, 256, 4, 5, 1),   # down: 30.6 / 31.3 (31.6 / 32.3)
+}
 
 
 def load_configs(path: str | os.PathLike) -> None:

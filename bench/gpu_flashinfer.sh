@@ -39,7 +39,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, s
 
 # 1. JIT: FlashInfer's attention module (one fa2 prefill module serves decode, causal and tree-masked
 #    calls), the engine's Triton kernels and graphpool's C++ checker; timed once, cached for the rest.
-stage "jit warm-up" 90 python3 - <<'EOF'
+stage "jit warm-up" 75 python3 - <<'EOF'
 import time, torch
 t = time.perf_counter()
 from bench.engine.fi_attention import FlashInferLayouts
@@ -61,25 +61,25 @@ print(f"graphpool checker + engine Triton kernels warm-up: {time.perf_counter() 
 EOF
 
 # 2. Where the time goes at C = 1 (plain and speculative steps; torch/torch is the code before issue 11).
-stage "profile (C = 1)" 80 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
+stage "profile (C = 1)" 70 python3 bench/profile_step.py --out "$OUT/profile_step" --trace "$OUT/trace_spec.json.gz"
 # The plain step is GEMM-bound: the same profile with every GEMM through cuBLAS (no Triton GEMV at one token:
 # the engine before it). bench/gemv_probe.py times each shape (cuBLASLt = cuBLAS, run AB).
-stage "profile (C = 1) --gemv off --skinny off" 45 python3 bench/profile_step.py --configs flashinfer:fused \
+stage "profile (C = 1) --gemv off --skinny off" 40 python3 bench/profile_step.py --configs flashinfer:fused \
   --gemv off --skinny off --out "$OUT/profile_step_blas"
 
 # 3. GPU tests: fused kernels; FlashInfer graph replay == eager FlashInfer == torch (every size, every mode);
 #    the decode loop in float32 (token-identical) and bf16 FlashInfer.
-stage "gpu tests" 120 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py tests/test_engine_gemv.py; \
-  python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_draft_select.py tests/test_engine_tree_kernels.py; \
+stage "gpu tests" 105 bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_engine_fused.py tests/test_engine_gemv.py tests/test_engine_skinny.py; \
+  python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_draft_select.py tests/test_engine_tree_kernels.py tests/test_engine_draft_inputs.py; \
   python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_engine_flashinfer.py tests/test_decode_loop.py tests/test_examples.py"
 
 # 4. The decode-loop sweeps (quick set of C: 1, 4, 16, 32, 128), FlashInfer then torch attention, then
 #    FlashInfer with the speculative step's selection and acceptance as torch ops (the gain of their kernels).
 for att in flashinfer torch; do
-  stage "decode_loop --attention $att" 70 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
+  stage "decode_loop --attention $att" 110 python3 bench/decode_loop.py --quick --attention "$att" --identity-check \
     --out "$OUT/decode_$att"
 done
-stage "decode_loop --attention flashinfer --draft-select torch" 70 python3 bench/decode_loop.py --quick \
+stage "decode_loop --attention flashinfer --draft-select torch" 90 python3 bench/decode_loop.py --quick \
   --attention flashinfer --draft-select torch --identity-check --out "$OUT/decode_flashinfer_torch_select"
 
 say ""

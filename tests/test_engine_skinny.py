@@ -109,14 +109,15 @@ def test_skinny_in_cuda_graph_equals_eager_at_model_shapes(monkeypatch):
     float32 within an ulp (SwiGLU: against the torch path within 3)."""
     cfg = ModelConfig.medium()
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    monkeypatch.setattr(gemv, "SKINNY", True)
+    calls = []
+    real = skinny.skinny
+    monkeypatch.setattr(gemv, "skinny", lambda x, w, silu=False: calls.append(1) or real(x, w, silu))
     for n, k, swiglu in [(q + 2 * kv, h, False), (h, q, False), (2 * inter, h, True), (h, inter, False)]:
         for m in (4, 16):
             x, w = _operands(m, n, k, seed=n + k + m)
             fn = gemv.linear_silu_mul if swiglu else gemv.linear
-            monkeypatch.setattr(gemv, "SKINNY", True)
-            calls = []
-            real = gemv.skinny
-            monkeypatch.setattr(gemv, "skinny", lambda x, w, silu=False: calls.append(1) or real(x, w, silu))
+            calls.clear()
             eager = fn(x, w, True)
             assert calls, "the skinny GEMM did not run"
             want = silu_mul(F.linear(x, w), False) if swiglu else F.linear(x.float(), w.float())

@@ -15,8 +15,8 @@ a device value on the host, so no step waits for the GPU.
 Tree as decode. With page size 1 a tree step needs no mask at all: each query token ``(r, q)`` becomes a
 page list of its own, sequence ``r``'s first ``prefix[r]`` columns followed by the extra columns ``e``
 with ``extra_mask[r, q, e]`` (the token's ancestors and itself), in column order, and attends all of it
-with one query. :func:`build_tree_decode_indices` writes those ``R * T`` lists (two Triton launches on
-CUDA: the lists' prefix sums, then their pages), for FlashInfer's decode kernel.
+with one query. :func:`build_tree_decode_indices` writes those ``R * T`` lists (on CUDA two Triton launches,
+the lists' prefix sums, then their pages; one for up to 64 query tokens), for FlashInfer's decode kernel.
 
 :func:`reference_attention_paged` computes attention from exactly this metadata in plain torch
 (float32-capable, fixed shapes): the CPU stand-in for FlashInfer's kernels and the oracle that checks the
@@ -44,6 +44,10 @@ INDEX_BLOCK = 256
 MASK_BLOCK = 64  # bytes per program (x 8 bits each)
 TREE_TOKEN_BLOCK = 128  # query tokens per iteration of the tree-as-decode prefix sums
 TREE_EXTRA_BLOCK = 64   # at most this many extra columns per iteration
+# Up to this many query tokens, the tree-as-decode lists come from one launch: every program sums the lengths
+# of the lists before its own (<= 64 x E mask bytes, from L2) instead of a prefix-sum launch first. A draft
+# level at C <= 16 and a verify step at C <= 4 take it; a step at C = 1 saves 4 launches (~10 us on the H200).
+TREE_OWN_START_TOKENS = 64
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -121,14 +125,30 @@ if triton is not None:
     @triton.jit(do_not_specialize=["table_width", "stride_mr", "stride_mt", "tokens", "n_extra"])
     def _tree_decode_indices_kernel(table_ptr, rows_ptr, prefix_ptr, mask_ptr, indptr_ptr, indices_ptr, write_ptr,
                                     table_width, stride_mr, stride_mt, tokens, n_extra, BLOCK: tl.constexpr,
-                                    E_BLOCK: tl.constexpr):
+                                    E_BLOCK: tl.constexpr, OWN_START: tl.constexpr, TB: tl.constexpr):
         i = tl.program_id(0)  # query token r * tokens + q
         blk = tl.program_id(1)
         r = i // tokens
         q = i - r * tokens
         row = table_ptr + tl.load(rows_ptr + r).to(tl.int64) * table_width
         prefix = tl.load(prefix_ptr + r)
-        start = tl.load(indptr_ptr + i).to(tl.int64)
+        if OWN_START:
+            # Few tokens (TB covers them all): each program sums the lengths of the lists before its own
+            # instead of reading _tree_decode_indptr_kernel's prefix sums, so the step needs one launch.
+            j = tl.arange(0, TB)
+            before = j < i
+            rj = j // tokens
+            lens = tl.load(prefix_ptr + rj, mask=before, other=0).to(tl.int64)
+            mrows = mask_ptr + rj.to(tl.int64) * stride_mr + (j - rj * tokens).to(tl.int64) * stride_mt
+            e0 = 0
+            while e0 < n_extra:
+                e = e0 + tl.arange(0, E_BLOCK)
+                bits = tl.load(mrows[:, None] + e[None, :], mask=before[:, None] & (e[None, :] < n_extra), other=0)
+                lens += tl.sum((bits != 0).to(tl.int64), axis=1)
+                e0 += E_BLOCK
+            start = tl.sum(lens, axis=0)
+        else:
+            start = tl.load(indptr_ptr + i).to(tl.int64)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         inside = cols < prefix
         slots = tl.load(row + cols, mask=inside, other=0)
@@ -148,6 +168,10 @@ if triton is not None:
                 kept += tl.sum(keep.to(tl.int32), axis=0)
                 e0 += E_BLOCK
             tl.store(write_ptr + i, tl.load(row + prefix + n_extra - tokens + q))
+            if OWN_START:
+                tl.store(indptr_ptr + 1 + i, (start + prefix + kept).to(tl.int32))
+                if i == 0:
+                    tl.store(indptr_ptr, 0)
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
@@ -293,11 +317,14 @@ def build_tree_decode_indices(table: torch.Tensor, rows: torch.Tensor, prefix: t
         return
     mask = extra_mask.view(torch.uint8)
     e_block = min(TREE_EXTRA_BLOCK, triton.next_power_of_2(max(e, 1)))
-    _tree_decode_indptr_kernel[(1,)](prefix, mask, indptr, mask.stride(0), mask.stride(1), n * t, t, e,
-                                     BLOCK=TREE_TOKEN_BLOCK, E_BLOCK=e_block, num_warps=4)
+    own_start = n * t <= TREE_OWN_START_TOKENS
+    if not own_start:
+        _tree_decode_indptr_kernel[(1,)](prefix, mask, indptr, mask.stride(0), mask.stride(1), n * t, t, e,
+                                         BLOCK=TREE_TOKEN_BLOCK, E_BLOCK=e_block, num_warps=4)
     grid = (n * t, triton.cdiv(width, INDEX_BLOCK))
     _tree_decode_indices_kernel[grid](table, rows, prefix, mask, indptr, indices, write_slots, width, mask.stride(0),
-                                      mask.stride(1), t, e, BLOCK=INDEX_BLOCK, E_BLOCK=e_block, num_warps=4)
+                                      mask.stride(1), t, e, BLOCK=INDEX_BLOCK, E_BLOCK=e_block, OWN_START=own_start,
+                                      TB=triton.next_power_of_2(n * t) if own_start else 1, num_warps=4)
 
 
 def build_tree_decode_indices_reference(table: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor,

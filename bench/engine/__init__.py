@@ -15,10 +15,12 @@ Stable pieces (import them on their own):
 * :mod:`bench.engine.fused`: fused Triton kernels for the embedding lookup with the first norm, the norms, rotary
   embedding, SwiGLU, KV store and the greedy argmax.
 * :mod:`bench.engine.gemv`: the model's projections (:class:`~bench.engine.gemv.Projection`) and the Triton GEMV that
-  runs their one-token products (plain decode at C = 1) in 16-bit models.
-* :mod:`bench.engine.draft_select`, :mod:`bench.engine.tree_kernels`: the speculative step's selection work (each
-  draft level's top-k and next beam, the tree's selection, the greedy acceptance with its commit) as one Triton
-  kernel each, beside the torch code of :mod:`bench.engine.tree` they replace (``SpecConfig.draft_select``).
+  runs their one-token products (plain decode at C = 1) in 16-bit models; :mod:`bench.engine.skinny` runs their
+  2-16-token products (the speculative step's draft levels and verify at C = 1) on tensor cores.
+* :mod:`bench.engine.draft_select`, :mod:`bench.engine.tree_kernels`, :mod:`bench.engine.draft_inputs`: the
+  speculative step's selection work (each draft level's top-k, next beam and ancestors, the tree's selection, the
+  greedy acceptance with its commit) and its index arithmetic as one Triton kernel each, beside the torch code of
+  :mod:`bench.engine.tree` and ``Engine`` they replace (``SpecConfig.draft_select``).
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
 * :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 * :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the

@@ -10,10 +10,10 @@ partial sums leave the program, so there is nothing to reduce afterwards. :func:
 the same for the fused gate/up projection and applies SwiGLU before it stores, so the MLP's activation
 needs no launch of its own either.
 
-At two rows and more cuBLAS stays: a GEMV over several rows was slower than cuBLAS at every shape (run AB
-in bench/RESULTS.md), and a skinny tensor-core GEMM for 2-16 rows (the draft's levels, verify at C = 1;
-SwiGLU fused, no split-K; commit 20a89e1) was as fast as cuBLAS per shape but no faster in the speculative
-step (runs AF, AG), so it was left out. The GEMV serves 16-bit models only: float32 keeps cuBLAS, so a
+A GEMV over several rows was slower than cuBLAS at every shape (run AB in bench/RESULTS.md); 2-16 rows go to
+the skinny tensor-core GEMM of :mod:`bench.engine.skinny` (:func:`use_skinny`; a first one, with 32-row
+blocks, was no faster than cuBLAS in the speculative step, runs AF and AG; the second, with 64-128-row
+blocks, is, runs AT-AW), and more rows to cuBLAS. The GEMV serves 16-bit models only: float32 keeps cuBLAS, so a
 float32 greedy run computes every step's projections with the same library as before and the float32
 token-identity checks between plain decode and speculation do not hinge on two summation orders. Results equal ``F.linear`` up to
 the order of the float32 sums (the output is rounded to the model dtype once, as cuBLAS rounds it).

@@ -61,3 +61,15 @@ def test_fused_draft_tree_equals_the_torch_levels(device, topk, steps, n):
     assert torch.equal(trees["fused"].depth, trees["torch"].depth)
     assert torch.equal(trees["fused"].mask, trees["torch"].mask)
     assert trees["torch"].depth.max() > 1  # the test reaches beyond the root's children
+
+
+@pytest.mark.parametrize("select", ["torch", pytest.param("fused", marks=pytest.mark.interpreter)])
+def test_a_one_level_draft_tree_decodes_losslessly(select):
+    """steps = 1 (only the root's children are drafted), a shape SpecConfig accepts: the engine builds and
+    speculation commits exactly plain decoding's tokens (it failed to build: the beams' ancestor columns
+    were sized for the levels after the first, none here, while the root's beam writes k of them)."""
+    from bench.engine.identity import greedy_identity
+    spec = SpecConfig(topk=3, steps=1, num_draft_tokens=3, draft_noise=0.1, draft_select=select)
+    run = greedy_identity(ModelConfig.tiny(), spec, "torch", "cpu", n_requests=3, concurrency=2, min_new=6, max_new=10)
+    assert run["ok"] and run["switched"], run
+    assert run["mean_accept"] > 1, run  # the drafts were accepted sometimes: the tree did its job

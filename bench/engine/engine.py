@@ -247,7 +247,9 @@ class _StepConstants:
     """Index tensors the steps use every time, made once (an ``arange`` inside a graph is a kernel)."""
 
     def __init__(self, spec: SpecConfig, prompt_len: int, device: torch.device):
-        k, n_scratch = spec.topk, max(spec.topk * (spec.steps - 1), 1)
+        # Beam scratch columns: k per level after the first (the root's beam writes the first k, so at least k
+        # even for a one-level tree, which has no later level)
+        k, n_scratch = spec.topk, spec.topk * max(spec.steps - 1, 1)
         self.window_cols = torch.arange(spec.window, device=device)
         self.tree_cols = torch.arange(spec.num_draft_tokens, device=device)
         self.commit_cols = torch.arange(spec.steps + 1, device=device)

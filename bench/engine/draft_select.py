@@ -14,6 +14,11 @@ dependent reductions, not ``rows * k``. (Walking the rows one after another, as 
 took 21.6 us per launch at the beam levels on the H200 for the medium model, vocabulary 4096, ``k`` 4,
 batch 1: run X, measured before this change.)
 
+:func:`draft_level_into` is the engine's whole-tree form of the same kernel: each level also writes its
+candidates straight into the tree's candidate buffers, their parents, and the next beam's ancestor rows, so
+a speculative step builds its draft tree without the torch loop's concatenations, expand copies and gathers
+(~12 launches of a few elements each; run AW in bench/RESULTS.md).
+
 Ties: the kernel takes the lowest index first among equal values (``torch.topk`` leaves their order
 unspecified), and its log-sum-exp may differ from torch's in the last bits. Either changes at most which
 of two equally likely drafts is proposed; the verify step keeps the output exact whatever the draft.
@@ -141,7 +146,8 @@ def draft_level_into(logits: torch.Tensor, beam: Beam | None, k: int, penalty: f
     with its candidates written to columns ``offset ..`` of ``cands`` (so the levels need no concatenation),
     each candidate's parent id beside them (``-1`` at the root, else the beam node's id), and the next beam
     with its ancestor rows: the parent node's row plus column ``anc_col + j`` for node ``j`` (at the root,
-    only that column). ``anc_col=None`` skips the ancestors (the last level's beam grows no further).
+    only that column). ``anc_col=None`` skips the ancestors (the last level's beam grows no further; its
+    ``ancestors`` are left unwritten).
 
     The same values as the torch code of ``Engine._draft_tree`` (``draft_level``, the parents' expand, the
     ancestors' gather and ``|= eye``, the concatenations). Triton on CUDA, or its interpreter."""

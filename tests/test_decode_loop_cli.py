@@ -122,6 +122,44 @@ def test_attention_kernel_and_run_ahead_flags():
         decode_loop.parse_args(["--attention", "triton"])
 
 
+def test_windows_last_a_second_on_a_gpu_but_not_on_cpu_or_across_ranks():
+    """--min-seconds: 1 s by default on a GPU, so every variant's window holds request ends in proportion;
+    0 on CPU (a smoke run) and with --tp (ranks must end their windows after the same step count); an
+    explicit value is kept. (resolve() only fills defaults: no GPU is touched.)"""
+    resolve = lambda *a: decode_loop.resolve(decode_loop.parse_args(list(a)))  # noqa: E731
+    assert resolve("--device", "cuda").min_seconds == 1.0
+    assert resolve("--device", "cpu").min_seconds == 0.0
+    assert resolve("--device", "cuda", "--tp", "2").min_seconds == 0.0
+    assert resolve("--device", "cuda", "--min-seconds", "0").min_seconds == 0.0
+    assert resolve("--device", "cpu", "--min-seconds", "2.5").min_seconds == 2.5
+    with pytest.raises(SystemExit, match="--min-seconds cannot be used with --tp"):
+        decode_loop.main(["--device", "cpu", "--tp", "2", "--min-seconds", "1"])
+
+
+def test_a_window_of_some_seconds_has_the_requests_to_fill_it(monkeypatch):
+    """The request count grows with --min-seconds, so a long window does not run out of arrivals and end
+    early: at C = 1, 2000 tokens/s of budget per second over outputs of 8 tokens."""
+    from types import SimpleNamespace
+
+    from bench.engine.config import ModelConfig, SpecConfig
+    args = decode_loop.resolve(decode_loop.parse_args(["--device", "cpu", "--min-new", "8", "--max-new", "8",
+                                                       "--steps", "2", "--min-seconds", "0.5"]))
+    made = []
+
+    class Served(Exception):
+        pass
+
+    def serve(*a, **k):
+        raise Served  # the requests are made; nothing needs to run
+
+    monkeypatch.setattr(decode_loop, "make_requests", lambda n, *a, **k: made.append(n))
+    monkeypatch.setattr(decode_loop, "DecodeLoop", serve)
+    engine = SimpleNamespace(spec=SpecConfig(), cfg=ModelConfig.tiny())
+    with pytest.raises(Served):
+        decode_loop.run_variant(engine, None, "plain", 1, args, None)
+    assert made and made[0] >= 0.5 * 2000 / 8
+
+
 @pytest.mark.interpreter  # CPU tensors through Triton: the interpreter must be on before Triton is imported
 def test_draft_select_flag_reaches_the_engine(tmp_path, capsys):
     """``--draft-select fused`` runs the fused selection (here in Triton's interpreter) and says so. (Setting

@@ -74,9 +74,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
 from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
+from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.gemv import use_skinny  # noqa: E402
-from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402

@@ -157,7 +157,8 @@ class Engine:
 
         With ``fused_draft_select`` (``spec.draft_select`` "fused", or "auto" on CUDA) the tree's selection
         (end of :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
-        (:mod:`bench.engine.tree_kernels`), besides each draft level's selection; else the torch ops."""
+        (:mod:`bench.engine.tree_kernels`), besides the draft's index arithmetic
+        (:mod:`bench.engine.draft_inputs`) and each draft level (:meth:`_draft_levels_fused`); else the torch ops."""
         sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
         inputs = draft_inputs(self.token_table, rows, n, sp.window, sp.steps, sp.topk, c.window_cols,
                               self.fused_draft_select)
@@ -179,10 +180,11 @@ class Engine:
         # every token committed by the previous step, and scores the root's children.
         self.draft_attn.meta = self.layouts.causal(rows, inputs.start, w)
         hidden = self.draft(inputs.window_ids, inputs.window_pos, self.draft_attn)
+        root_logits = self.draft.lm_head(hidden.view(bs, w, -1)[:, -1])
         if self.fused_draft_select:
-            return self._draft_levels_fused(n, rows, inputs, self.draft.lm_head(hidden.view(bs, w, -1)[:, -1]))
-        root = draft_level(self.draft.lm_head(hidden.view(bs, w, -1)[:, -1]), None, k, DEPTH_PENALTY, 0,
-                           self.fused_draft_select)
+            return self._draft_levels_fused(n, rows, inputs, root_logits)
+        # The torch ops (the CPU path and the fused path's oracle).
+        root = draft_level(root_logits, None, k, DEPTH_PENALTY, 0, fused=False)
         cand_tok, cand_score = [root.tokens], [root.scores]
         cand_par = [c.root_parents.expand(bs, k)]
         beam_tok, beam_score, beam_id = root.beam_tokens, root.beam_scores, c.first_beam.expand(bs, k)
@@ -195,8 +197,7 @@ class Engine:
             # attends the committed prefix and its own ancestors.
             self.draft_attn.meta = self.layouts.tree(rows, n, beam_anc[:, :, :(d - 1) * k])
             hidden = self.draft(beam_tok.reshape(-1), inputs.level_pos[d - 2], self.draft_attn)
-            level = draft_level(self.draft.lm_head(hidden), beam_score, k, DEPTH_PENALTY, offset,
-                                self.fused_draft_select)
+            level = draft_level(self.draft.lm_head(hidden), beam_score, k, DEPTH_PENALTY, offset, fused=False)
             cand_tok.append(level.tokens), cand_score.append(level.scores)
             cand_par.append(beam_id[..., None].expand(bs, k, k).reshape(bs, k * k))
             best = level.best
@@ -206,7 +207,7 @@ class Engine:
                 beam_anc[:, :, (d - 1) * k:d * k] |= c.eye
             offset += k * k
         return select_tree_fused(inputs.root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
-                                 c.cand_depth, sp.num_draft_tokens, sp.steps, self.fused_draft_select)
+                                 c.cand_depth, sp.num_draft_tokens, sp.steps, fused=False)
 
     def _draft_levels_fused(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs, root_logits: torch.Tensor):
         """:meth:`_draft_tree` from the root's logits on, one launch per level for each level's selection,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import silu_mul, triton
-from .skinny import skinny, skinny_applies
+from .skinny import check_operands, skinny, skinny_applies
 
 if triton is not None:
     import triton.language as tl
@@ -117,18 +117,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu: bool = False,
     gate/up product (:func:`linear_silu_mul`). ``config`` overrides :func:`gemv_config`'s ``(BLOCK_N,
     BLOCK_K, num_warps, stages)`` (``bench/gemv_probe.py`` sweeps it). CUDA, or CPU tensors in Triton's
     interpreter."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"the GEMV multiplies one row: x must be [1, K], got {tuple(x.shape)}")
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"the GEMV needs x and weight contiguous in their last dimension, got strides "
-                         f"{x.stride()} and {weight.stride()}")
+    n = check_operands(x, weight, silu, 1, "GEMV")
     k = x.shape[1]
-    rows, k_w = weight.shape
-    if k_w != k:
-        raise ValueError(f"x [1, {k}] does not match weight [{rows}, {k_w}]: the last dimensions must agree")
-    if silu and rows % 2:
-        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {rows}")
-    n = rows // 2 if silu else rows
     block_n, block_k, warps, stages = config or gemv_config(n, k, silu)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), n, K=k, SILU_MUL=silu,

@@ -152,6 +152,24 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
+def check_operands(x: torch.Tensor, weight: torch.Tensor, silu: bool, max_rows: int, what: str) -> int:
+    """Validate ``x [M, K] @ weight[N, K]^T`` for a Triton projection of 1 to ``max_rows`` rows (this GEMM's
+    and :func:`bench.engine.gemv.gemv`'s); returns the number of outputs (``N``, or ``N / 2`` with ``silu``:
+    a gate/up weight, gate rows first)."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= max_rows:
+        rows, shape = ("one row", "[1, K]") if max_rows == 1 else (f"1 to {max_rows} rows", f"[M <= {max_rows}, K]")
+        raise ValueError(f"the {what} takes {rows}: x must be {shape}, got {tuple(x.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"the {what} needs x and weight contiguous in their last dimension, got strides "
+                         f"{x.stride()} and {weight.stride()}")
+    n, k = weight.shape
+    if k != x.shape[1]:
+        raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]: the last dimensions must agree")
+    if silu and n % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {n}")
+    return n // 2 if silu else n
+
+
 def skinny(x: torch.Tensor, weight: torch.Tensor, silu: bool = False, config: Config | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for ``x [M <= 16, K]`` (or with ``silu`` the SwiGLU of the gate/up product,
     gate rows first: ``[M, N / 2]``) in one launch, two when :func:`skinny_config` splits ``K``. ``config``
@@ -159,19 +177,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, silu: bool = False, config: Co
     --skinny`` sweeps it). CUDA, or CPU tensors in Triton's interpreter."""
     if triton is None:
         raise RuntimeError("the skinny GEMM needs Triton")
-    if x.dim() != 2 or not 0 < x.shape[0] <= BLOCK_M:
-        raise ValueError(f"the skinny GEMM takes 1 to {BLOCK_M} rows: x must be [M <= {BLOCK_M}, K], got "
-                         f"{tuple(x.shape)}")
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"the skinny GEMM needs x and weight contiguous in their last dimension, got strides "
-                         f"{x.stride()} and {weight.stride()}")
+    n = check_operands(x, weight, silu, BLOCK_M, "skinny GEMM")
     m, k = x.shape
-    rows, k_w = weight.shape
-    if k_w != k:
-        raise ValueError(f"x {list(x.shape)} does not match weight [{rows}, {k_w}]: the last dimensions must agree")
-    if silu and rows % 2:
-        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {rows}")
-    n = rows // 2 if silu else rows
     block_n, block_k, warps, stages, split = config or skinny_config(n, k, silu)
     if k % split:
         raise ValueError(f"split_k {split} must divide K = {k}")

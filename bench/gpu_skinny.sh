@@ -9,16 +9,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG="$OUT/run.log"
 : > "$LOG"
-say() { echo "$@" | tee -a "$LOG"; }
-stage() {  # stage NAME SECONDS CMD...: run with a time limit, log everything, say how it ended
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  say "== $name"
-  timeout "$limit" "$@" >> "$LOG" 2>&1
-  local rc=$?
-  say "== $name: exit $rc after $((SECONDS - t0)) s$([ $rc -eq 124 ] && echo " (TIMED OUT at ${limit} s)")"
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/stages.sh"  # say, stage
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
 
 stage "skinny sweep" ${SWEEP_LIMIT:-240} python3 bench/gemv_probe.py --skinny --json "$OUT/skinny_probe.json"

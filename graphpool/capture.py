@@ -82,6 +82,14 @@ class Step:
     def key(self) -> GraphKey | None:
         return self.entry.key if self.entry is not None else None
 
+    def copy(self) -> "Step":
+        """A new step object with the same fields (what :meth:`GraphPool.stage` hands out, so that a stale
+        step is never the same object as the latest one)."""
+        new = Step.__new__(Step)
+        new.mode, new.real_bs, new.batch, new.entry, new.padded_rows = (
+            self.mode, self.real_bs, self.batch, self.entry, self.padded_rows)
+        return new
+
 
 def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
                 backend: CudaGraphBackend | EagerBackend, stager: Any, progress: bool) -> dict[GraphKey, Entry]:
@@ -170,20 +178,19 @@ class CapturedGraph:
 
     :meth:`replay` runs the graph on the *current contents* of the static buffers: whatever the last step
     staged, or what you wrote into ``pool.static_inputs``. It keeps the pool's staging ring in step, so
-    pool steps before and after it stay correct. It does not run ``prepare``, and its outputs are only
-    reachable through the step function's own tensors (or a later ``pool.run``).
+    pool steps before and after it stay correct, and it counts as a step of the pool: one thread at a
+    time (:class:`ConcurrentUseError`), and a step staged before it and not yet replayed is stale
+    (:class:`StaleStepError`). It does not run ``prepare``, and its outputs are only reachable through
+    the step function's own tensors (or a later ``pool.run``).
     """
 
-    def __init__(self, entry: Entry, stager: Any):
+    def __init__(self, entry: Entry, replay: Callable[[Entry], None]):
         self.key = entry.key
-        self._entry, self._stager = entry, stager
+        self._entry, self._replay = entry, replay
 
     def replay(self) -> None:
-        if self._entry.stage_run is not None:  # a pool with `prepare`: staging is its own graph, not this one
-            self._entry.run()
-            return
-        self._stager.self_copy(self.key)
-        self._entry.run()
+        """Enqueue the graph once, on the static buffers' current contents."""
+        self._replay(self._entry)
 
     def __repr__(self) -> str:
         return f"CapturedGraph(mode={self.key.mode!r}, bs={self.key.bs})"

@@ -39,7 +39,8 @@ class InputDeviceError(GraphPoolError, ValueError):
 
 
 class InputLayoutError(GraphPoolError, ValueError):
-    """An input is not contiguous (the pool copies rows as one block of memory)."""
+    """An input is not contiguous, or is a lazily conjugated/negated view (the pool copies rows as one block
+    of raw memory)."""
 
 
 class IndexBoundsError(GraphPoolError, ValueError):

@@ -208,8 +208,9 @@ class GraphPool:
         if not self._busy.acquire(False):  # a plain lock, not a `with` object: two Python calls less per step
             raise ConcurrentUseError(CONCURRENT_USE)
         try:
-            self._pending = None  # a step staged earlier is stale now (this one rewrites the ring row)
-            out = self._replay(self._stage(mode, inputs))
+            step = self._stage(mode, inputs)  # a step it refuses leaves a staged one intact
+            self._pending = None  # a step staged earlier is stale now (this one rewrote its ring row)
+            out = self._replay(step)
             # Copies are enqueued before another thread may replay a graph over these outputs.
             return clone_outputs(out) if copy else out
         finally:
@@ -218,16 +219,20 @@ class GraphPool:
     def stage(self, mode: str, **inputs: torch.Tensor) -> Step:
         """Validate and route a step and stage its inputs; :meth:`replay` runs it.
 
-        For CUDA graphs without ``prepare`` the copy itself happens in the graph's first node at
-        :meth:`replay`; otherwise ``step.batch.inputs`` hold the staged, padded inputs on return.
+        With ring staging (the default for CUDA graphs) and no ``prepare``, the copy itself happens in the
+        graph's first node at :meth:`replay`; otherwise ``step.batch.inputs`` hold the staged, padded
+        inputs on return. Each call returns a new :class:`Step`. A step this refuses (any input error)
+        leaves the previously staged step intact.
 
-        .. warning:: replay each staged step once, before staging the next (the next ``stage`` rewrites
-            its inputs: replaying it then raises :class:`StaleStepError`).
+        .. warning:: replay each staged step once, before staging the next (the next ``stage``, ``run`` or
+            ``graph(...).replay()`` rewrites its inputs: replaying it then raises :class:`StaleStepError`).
         """
         if not self._busy.acquire(False):
             raise ConcurrentUseError(CONCURRENT_USE)
         try:
             step = self._stage(mode, inputs)
+            if step.entry is not None:  # graphs' steps are shared per (mode, real_bs): hand out this stage's own
+                step = step.copy()
             # The step replay() may run next, staged by this thread (attributes, not a tuple: no allocation).
             self._pending, self._pending_thread = step, threading.get_ident()
             return step
@@ -250,14 +255,20 @@ class GraphPool:
             self._busy.release()
 
     def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
-        plan = self._router.plans.get(mode)
+        try:
+            plan = self._router.plans.get(mode)
+        except TypeError:  # an unhashable mode: not_ready raises UnknownModeError
+            plan = None
         if plan is None:
             self._router.not_ready(mode)
         mode_obj, shapes, steps = plan
         stager = self._stager
-        # The C++ checker validates and writes the ring row in one call; on any mismatch (or without it)
-        # the Python checks run, and they raise the typed error that explains it.
-        real_bs, ordered = stager.checked_write(inputs, mode_obj.tokens_per_seq), None
+        # Every check that can refuse a step runs before its ring row is written, so a refused step leaves
+        # the row of a staged one intact. The C++ checker validates and writes the row in one call when a
+        # graph serves the step; on any mismatch, a miss, in debug mode (bounds are checked first) or
+        # without it, the Python checks run, and they raise the typed error that explains a refusal.
+        real_bs = -1 if self.debug else stager.checked_write(inputs, mode_obj.tokens_per_seq, len(steps) - 1)
+        ordered = None
         if real_bs < 0:
             real_bs, ordered = self._rules.check(mode_obj, inputs, shapes)
         if self.debug:
@@ -297,11 +308,23 @@ class GraphPool:
         if entry is None:
             raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self._keys.sizes[mode]}"
                            + ("" if self.captured else " (capture has not succeeded)"))
-        return CapturedGraph(entry, self._stager)
+        return CapturedGraph(entry, self._replay_graph)
+
+    def _replay_graph(self, entry: Entry) -> None:
+        """:meth:`CapturedGraph.replay`: one step on the buffers' current contents, under the pool's rules."""
+        if not self._busy.acquire(False):
+            raise ConcurrentUseError(CONCURRENT_USE)
+        try:
+            self._pending = None  # it rewrites the ring row a staged step would read: that step is stale
+            if entry.stage_run is None:  # staging is this graph's first node: a row that stages the views onto themselves
+                self._stager.self_copy(entry.key)
+            entry.run()
+        finally:
+            self._busy.release()
 
     def can_run(self, mode: str, real_bs: int) -> bool:
-        """Whether a captured graph serves ``real_bs`` sequences of ``mode``."""
-        return self.route(mode, real_bs) is not None
+        """Whether a captured graph serves ``real_bs`` sequences of ``mode`` (``False`` before a capture)."""
+        return bool(self._router.plans) and self.route(mode, real_bs) is not None
 
     def route(self, mode: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""

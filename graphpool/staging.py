@@ -43,7 +43,7 @@ class TorchStager:
     def __init__(self, buffers: StaticBuffers):
         self._buffers = buffers
 
-    def checked_write(self, inputs: Any, tokens_per_seq: int) -> int:
+    def checked_write(self, inputs: Any, tokens_per_seq: int, max_bs: int) -> int:
         return -1  # no C++ checker: the pool checks in Python, then calls write()
 
     def write(self, key: GraphKey, real_bs: int, inputs: Sequence[torch.Tensor]) -> None:
@@ -121,10 +121,11 @@ class RingStager:
             self._synchronize()
         return issued % self.slots
 
-    def checked_write(self, inputs: Any, tokens_per_seq: int) -> int:
+    def checked_write(self, inputs: Any, tokens_per_seq: int, max_bs: int) -> int:
         """The hot path: the C++ checker checks ``inputs`` (the caller's kwargs) and writes the row in one
-        call. Returns the real batch size (``inputs`` is then held until the row is reused), or -1 without
-        the checker or when a check fails (nothing written: the pool's Python checks say why)."""
+        call. Returns the real batch size (``inputs`` is then held until the row is reused), or a negative
+        number without the checker, when a check fails, or when the batch is larger than ``max_bs`` (no
+        graph serves it): nothing is written then, and the pool's Python checks and miss policy decide."""
         check = self._check
         if check is None:
             return -1
@@ -132,7 +133,7 @@ class RingStager:
         if issued - self._done[0] >= self.slots:
             self._synchronize()
         slot = issued % self.slots
-        real_bs = check(inputs, tokens_per_seq, self._ring_address + slot * self._row_size)
+        real_bs = check(inputs, tokens_per_seq, self._ring_address + slot * self._row_size, max_bs)
         if real_bs > 0:
             self._held[slot] = inputs
         return real_bs

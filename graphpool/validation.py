@@ -30,6 +30,7 @@ RULES = (
     ("trailing", InputShapeError),     # rows x the declared trailing shape
     ("rows", InputRowsError),          # bs x tokens_per_seq rows (per token) or bs rows (per sequence)
     ("contiguous", InputLayoutError),  # one block of memory
+    ("resolved", InputLayoutError),    # no lazy conjugate/negative bit (in-graph staging copies raw memory)
 )
 
 
@@ -86,7 +87,7 @@ class InputRules:
         for t, dtype, shape in zip(ordered, self._dtypes, expected):
             try:
                 if (t.dtype is not dtype or t.shape != shape or t.get_device() != index or (cpu and not t.is_cpu)
-                        or not t.is_contiguous()):
+                        or not t.is_contiguous() or t.is_conj() or t.is_neg()):
                     self.explain(mode, inputs)
             except AttributeError:
                 self.explain(mode, inputs)
@@ -129,6 +130,10 @@ class InputRules:
             return self._rows_problem(mode, spec, t, real_bs)
         if rule == "contiguous" and not t.is_contiguous():
             return f"input {name!r} is not contiguous (strides {t.stride()}); pass {name}.contiguous()"
+        if rule == "resolved" and (t.is_conj() or t.is_neg()):
+            return (f"input {name!r} is a lazily {'conjugated' if t.is_conj() else 'negated'} view (its memory holds "
+                    f"the values before {'conj()' if t.is_conj() else 'negation'}); pass "
+                    f"{name}.{'resolve_conj' if t.is_conj() else 'resolve_neg'}()")
         return ""
 
     def _rows_problem(self, mode: Mode, spec: StepInput, t: torch.Tensor, real_bs: int | None) -> str:

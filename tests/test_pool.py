@@ -308,6 +308,7 @@ def test_cpp_checker_agrees_with_python_checks():
         lambda x: x.update(positions="not a tensor"),
         lambda x: x.update(positions=x["positions"].to("meta")),
         lambda x: x.update(seq_lens=x["seq_lens"][:0], req_pool_indices=x["req_pool_indices"][:0]),
+        lambda x: x.update(positions=torch._neg_view(x["positions"])),  # contiguous, but lazily negated
         lambda x: None,  # valid
     ]
     for trial in range(300):
@@ -315,12 +316,16 @@ def test_cpp_checker_agrees_with_python_checks():
         inputs = random_step(mode, rng.randint(1, 12), "cpu", rng)
         rng.choice(mutations)(inputs)
         row.fill_(-1)
-        got = checker.check(inputs, mode.tokens_per_seq, row.data_ptr())
+        max_bs = rng.choice([8, 12])  # the largest captured size: a larger step is the miss policy's, unwritten
+        got = checker.check(inputs, mode.tokens_per_seq, row.data_ptr(), max_bs)
         try:
             real_bs, ordered = rules.check(mode, inputs, None)
         except gp.GraphPoolError:
             assert got < 0, f"trial {trial}: C++ accepted what Python rejects"
             assert row.tolist() == [-1] * row.numel(), f"trial {trial}: a refused step wrote the ring row"
+            continue
+        if real_bs > max_bs:
+            assert got < 0 and row.tolist() == [-1] * row.numel(), f"trial {trial}: a step no graph serves wrote the row"
             continue
         assert got == real_bs and row.tolist() == [real_bs, *(t.data_ptr() for t in ordered)], f"trial {trial}"
 

@@ -163,7 +163,24 @@ def test_bad_inputs_get_the_error_that_names_them(device):
         pool.run("Decode", **good)
     with pytest.raises(gp.UnknownModeError, match=r"unknown mode 'verfy': did you mean 'verify'\?"):
         pool.run("verfy", **good)
+    with pytest.raises(gp.UnknownModeError):  # not a TypeError from a dict lookup
+        pool.run(["verify"], **good)
+    with pytest.raises(gp.InputLayoutError, match=r"'positions' is a lazily negated view .* positions.resolve_neg\(\)"):
+        pool.run("verify", **dict(good, positions=torch._neg_view(good["positions"])))  # contiguous, raw memory unnegated
     assert_step_exact(pool, toy, device, "verify", 3, rng, "after refused steps")
+
+
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_a_lazily_conjugated_input_is_refused_not_staged_unconjugated(setup):
+    """``z.conj()`` is contiguous but its memory holds z: the ring kernel would copy z itself."""
+    device, staging = setup
+    pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("z", torch.complex64, "seq")], [1, 4], device=device,
+                        staging=staging)
+    pool.capture(lambda batch: batch.inputs["z"] * 2, progress=False)
+    z = torch.randn(3, dtype=torch.complex64, device=device)
+    with pytest.raises(gp.InputLayoutError, match=r"'z' is a lazily conjugated view .* z.resolve_conj\(\)"):
+        pool.run("decode", z=z.conj())
+    torch.testing.assert_close(pool.run("decode", z=z.conj().resolve_conj()), z.conj() * 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,6 +274,106 @@ def test_replaying_a_step_twice_or_after_a_later_stage_is_refused():
     with pytest.raises(gp.StaleStepError):
         pool.replay(staged)
     assert_step_exact(pool, toy, "cpu", "verify", 6, rng)
+
+
+# 10. Stale and refused steps (found by an independent contract review) ------------------------------------
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_a_stale_step_of_the_same_mode_and_size_is_refused(setup):
+    """Two stages of the same (mode, real bs) are two steps: replaying the first one is refused, never run on
+    the second one's inputs."""
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(13)
+    first, second = (random_step(MODES[0], 3, device, rng) for _ in range(2))
+    stale = pool.stage("decode", **first)
+    latest = pool.stage("decode", **second)
+    assert stale is not latest
+    with pytest.raises(gp.StaleStepError):
+        pool.replay(stale)
+    got = {k: v.clone() for k, v in pool.replay(latest).items()}
+    torch.testing.assert_close(got["pooled"], eager_reference(toy, MODES[0], second)["pooled"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_a_graph_replay_between_stage_and_replay_makes_the_step_stale(setup):
+    """``graph(...).replay()`` rewrites the ring row a staged step would read: that step is refused after it."""
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(14)
+    staged = pool.stage("decode", **random_step(MODES[0], 3, device, rng))
+    pool.graph("decode", 4).replay()
+    with pytest.raises(gp.StaleStepError):
+        pool.replay(staged)
+    assert_step_exact(pool, toy, device, "verify", 2, rng, "after the refused replay")
+
+
+def _refusals(pool: gp.GraphPool, device: str, rng: random.Random) -> list:
+    """Steps the pool must refuse (each with its error), from validation, the miss policy and debug bounds."""
+    good = random_step(MODES[1], 2, device, rng)
+    out_of_bounds = dict(random_step(MODES[1], 2, device, rng))
+    out_of_bounds["out_cache_loc"] = out_of_bounds["out_cache_loc"].clone()
+    out_of_bounds["out_cache_loc"][3] = 10**6
+    return [
+        (gp.InputRowsError, pool.run, "decode", random_step(MODES[1], 3, device, rng)),
+        (gp.InputDtypeError, pool.stage, "verify", dict(good, seq_lens=good["seq_lens"].long())),
+        (gp.BatchTooLargeError, pool.stage, "decode", random_step(MODES[0], 9, device, rng)),
+        (gp.BatchTooLargeError, pool.run, "verify", random_step(MODES[1], 9, device, rng)),
+        (gp.IndexBoundsError, pool.stage, "verify", out_of_bounds),
+    ]
+
+
+def _bounded_pool(device: str, staging: str, debug: bool) -> tuple[gp.GraphPool, ToyStep]:
+    specs = [gp.StepInput(s.name, s.dtype, s.per, fill=s.fill, trailing=s.trailing,
+                          bounds=(0, 4096) if s.name == "out_cache_loc" else None) for s in make_inputs()]
+    pool = gp.GraphPool(MODES, specs, SIZES, device=device, staging=staging, on_miss="raise", debug=debug)
+    toy = ToyStep(device)
+    pool.capture(toy, progress=False)
+    return pool, toy
+
+
+def _check_refusals_keep_the_staged_step(pool: gp.GraphPool, toy: ToyStep, device: str) -> None:
+    rng = random.Random(15)
+    for error, call, mode, inputs in _refusals(pool, device, rng):
+        if error is gp.IndexBoundsError and not pool.debug:
+            continue  # bounds are debug mode's check
+        staged_inputs = random_step(MODES[0], 3, device, rng)
+        staged = pool.stage("decode", **staged_inputs)
+        with pytest.raises(error):
+            call(mode, **inputs)
+        got = {k: v.clone() for k, v in pool.replay(staged).items()}
+        want = eager_reference(toy, MODES[0], staged_inputs)
+        torch.testing.assert_close(got["pooled"], want["pooled"], rtol=1e-5, atol=1e-5, msg=f"after {error.__name__}")
+    assert_step_exact(pool, toy, device, "verify", 5, rng, "after the refusals")
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["fast", "debug"])
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_a_refused_step_leaves_the_staged_step_intact(setup, debug):
+    """A refused ``run``/``stage`` (input error, batch too large, out-of-bounds index in debug mode) touches
+    nothing: the step staged before it still replays exactly, on every staging path."""
+    device, staging = setup
+    _check_refusals_keep_the_staged_step(*_bounded_pool(device, staging, debug), device)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("debug", [False, True], ids=["fast", "debug"])
+def test_a_refused_step_leaves_the_staged_step_intact_with_the_cpp_checker(debug):
+    """The same through the C++ checker, which writes the ring row in the call that checks the step: a CUDA
+    pool's hot path, run on the CPU by giving a CPU ring pool the checker (only CUDA pools get one)."""
+    from graphpool.native import make_input_checker
+    pool, toy = _bounded_pool("cpu", "ring", debug)
+    checker = make_input_checker(pool._rules)
+    if checker is None:
+        pytest.skip("the C++ extension did not build here")
+    pool._stager._check = checker.check
+    _check_refusals_keep_the_staged_step(pool, toy, "cpu")
+
+
+def test_can_run_is_false_before_a_capture():
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
+    assert pool.route("decode", 3) == 4 and not pool.can_run("decode", 3)
+    pool.capture(ToyStep("cpu"), progress=False)
+    assert pool.can_run("decode", 3) and not pool.can_run("decode", 9)
 
 
 # 9. Device faults ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <limits>
 #include <vector>
 
 namespace {
@@ -28,9 +29,10 @@ struct InputChecker {
   }
 
   // Returns the real batch size (and, when row_address != 0, writes row[0] = real_bs and row[1 + i] =
-  // data_ptr of input i), or -(i + 1) for the first input i that is missing or does not fit (nothing
-  // written then).
-  int64_t check(py::dict inputs, int64_t tokens_per_seq, int64_t row_address) const {
+  // data_ptr of input i), or -(i + 1) for the first input i that is missing or does not fit, or -(n + 2)
+  // when the batch is larger than max_bs (no graph serves it: the pool's miss policy decides, and a step
+  // it refuses must not have overwritten the row of a step staged before it). Nothing written then.
+  int64_t check(py::dict inputs, int64_t tokens_per_seq, int64_t row_address, int64_t max_bs) const {
     const int64_t n = static_cast<int64_t>(names.size());
     if (static_cast<int64_t>(PyDict_Size(inputs.ptr())) != n) return -(n + 1);
     int64_t real_bs = -1;
@@ -45,11 +47,13 @@ struct InputChecker {
       if (real_bs < 0) {
         real_bs = per_token[i] ? sizes[0] / tokens_per_seq : sizes[0];
         if (real_bs < 1) return -(i + 1);
+        if (real_bs > max_bs) return -(n + 2);
       }
       if (sizes[0] != (per_token[i] ? real_bs * tokens_per_seq : real_bs)) return -(i + 1);
       for (size_t d = 0; d < trailing[i].size(); ++d)
         if (sizes[d + 1] != trailing[i][d]) return -(i + 1);
       if (t.scalar_type() != dtypes[i] || !t.is_contiguous()) return -(i + 1);
+      if (t.is_conj() || t.is_neg()) return -(i + 1);  // lazy views: the staging kernel copies raw memory
       if (device_index < 0 ? !t.is_cpu() : (!t.is_cuda() || t.get_device() != device_index)) return -(i + 1);
       pointers[i] = reinterpret_cast<int64_t>(t.data_ptr());
     }
@@ -68,5 +72,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<InputChecker>(m, "InputChecker")
       .def(py::init<std::vector<std::string>, std::vector<at::ScalarType>, std::vector<std::vector<int64_t>>,
                     std::vector<bool>, int64_t, int64_t>())
-      .def("check", &InputChecker::check);
+      .def("check", &InputChecker::check, py::arg("inputs"), py::arg("tokens_per_seq"), py::arg("row_address"),
+           py::arg("max_bs") = std::numeric_limits<int64_t>::max());
 }

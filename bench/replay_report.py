@@ -115,7 +115,7 @@ def summary(rows: list[dict], modes: list[gp.Mode], sizes: list[int], cuda: bool
         "tokens pool.run returned equal to the eager step's (bf16 can break near-ties). b2b floor, b2b gpool: "
         "GPU us per step over blocks of steps issued back to back (the host ahead of the GPU, so this is the "
         "GPU's own time; two untimed steps lead each block in); b2b added: what staging costs on the GPU (the "
-        "staging node and the prefetch branch; issue 14's target: <= 2 us)."))
+        "in-graph staging node; issue 14's target: <= 2 us)."))
     lines.append(f"graph misses for bs <= {sizes[-1]}: {misses}")
     lines.append(f"acceptance (ratio <= 0.1 and graphpool validate+route+stage <= 10 us at every key, no misses): "
                  f"idle-start {'PASS' if ok and misses == 0 else 'FAIL'}, back to back "

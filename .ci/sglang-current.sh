@@ -23,7 +23,7 @@ python -m pip install -qq --no-warn-conflicts -r .ci/sglang-current-requirements
 python -c "import sglang, torch; print('second environment: sglang', sglang.__version__, 'torch', torch.__version__)"
 
 set +e
-python -m pytest -q -ra tests/test_sglang_runner_api.py tests/test_sglang_spec_switch_v2.py \
+python -m pytest -q -ra tests/test_sglang_runner_api.py tests/test_sglang_runner_api_contract.py tests/test_sglang_spec_switch_v2.py \
     tests/test_sglang_draft_lag.py tests/test_sglang_runner.py tests/test_sglang_spec_switch.py tests/test_sglang_launch.py
 rc=$?
 set -e

@@ -279,3 +279,44 @@ def test_unsupported_server_is_refused_with_the_reasons():
 @pytest.fixture(autouse=True)
 def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()
+
+
+# Found by an independent review of the runner against SGLang's callers ---------------------------------------
+def _prefilled(speculative: bool, batch_sizes=(1, 2, 4)):
+    cfg = H.HarnessConfig(batch_sizes=batch_sizes)
+    mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=speculative)
+    mr.graph_runner = MultiModeCudaGraphRunner(mr)
+    reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=11)
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    H.prefill(mr, reqs, alloc)
+    return mr, reqs, alloc
+
+
+def test_can_run_is_false_for_a_mode_the_runner_holds_no_graphs_of(monkeypatch):
+    """A non-speculative runner holds DECODE graphs only: a TARGET_VERIFY batch gets False (SGLang then runs
+    it eagerly), not an exception from the pool."""
+    monkeypatch.setattr(sglang_runner, "enable_num_token_non_padded", lambda: False)
+    mr, reqs, alloc = _prefilled(speculative=False)
+    drafts = torch.zeros((2, mr.cfg.draft_tokens - 1), dtype=torch.int64)
+    assert mr.graph_runner.can_run(H.verify_batch(mr, reqs, [0, 1], drafts, alloc)) is False
+    decode = H.decode_batch(mr, reqs, [0, 1], alloc)
+    decode.capture_hidden_mode = CaptureHiddenMode.NULL  # no speculation: no hidden states asked
+    assert mr.graph_runner.can_run(decode) is True
+
+
+def test_replay_of_a_mode_without_graphs_or_past_the_largest_graph_says_so(monkeypatch):
+    """replay() of an IDLE/EXTEND batch names the modes it holds (no bare KeyError); a DECODE batch larger than
+    every graph gets the pool's BatchTooLargeError naming the size, not a shape error from staging seq_lens."""
+    from graphpool import BatchTooLargeError, UnknownModeError
+
+    monkeypatch.setattr(sglang_runner, "enable_num_token_non_padded", lambda: False)
+    mr, reqs, alloc = _prefilled(speculative=True)
+    for mode in (ForwardMode.IDLE, ForwardMode.EXTEND):
+        fb = H.decode_batch(mr, reqs, [0, 1], alloc)
+        fb.forward_mode = mode
+        with pytest.raises(UnknownModeError, match=rf"graphs for \['DECODE', 'TARGET_VERIFY'\], none for {mode.name}"):
+            mr.graph_runner.replay(fb)
+    fb = H.decode_batch(mr, reqs, [0, 1, 2, 3, 4], alloc)  # int64 seq_lens, bs 5 > 4
+    assert fb.seq_lens.dtype == torch.int64 and not mr.graph_runner.can_run(fb)
+    with pytest.raises(BatchTooLargeError, match="batch size 5 is larger than the largest captured size 4"):
+        mr.graph_runner.replay(fb)

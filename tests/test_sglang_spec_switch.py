@@ -180,3 +180,22 @@ def test_plain_decode_batch_records_the_slot_and_advances():
 @pytest.fixture(autouse=True)
 def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()
+
+
+def test_the_gate_pause_counts_every_decode_step_so_the_catch_up_covers_it():
+    """A pause that starts below the size threshold, runs through a burst above it and ends below it lasts
+    ``pause_steps`` decode steps in all (not 256 more after the burst), so the draft lag's window, which the
+    pause length matches, still covers every plainly decoded position at the probe's catch-up."""
+    switch = SpeculationSwitch(16, 12, min_accept=1.5)
+    for _ in range(switch.gate.window):
+        assert switch.speculate(4)
+        switch.verified(4, 0)  # one committed token per sequence: below break-even, the gate pauses
+    lag, plain = DraftLag(keep_hidden=False), 0
+    for bs in [32] * 100 + [4] * 1000:
+        if switch.speculate(bs):
+            break
+        lag.record(["r"], [plain])
+        plain += 1
+    chunk = lag.take(["r"])["r"]
+    assert plain == switch.gate.pause_steps == lag.max_steps
+    assert chunk.skipped == 0 and chunk.end - chunk.start == plain

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from graphpool import GraphPool, Mode, StepBatch, StepInput
+from graphpool import GraphPool, Mode, StepBatch, StepInput, UnknownModeError
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 #: Pool mode name of each SGLang forward mode the adapters capture.
@@ -26,6 +26,17 @@ GraphId = Tuple[ForwardMode, int]  # (forward mode, padded batch size)
 _FORWARD_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
 
 log = logging.getLogger(__name__)
+
+
+def pool_mode(forward_mode: ForwardMode, captured: Dict[ForwardMode, int]) -> str:
+    """The pool's mode name of a batch's forward mode; one the runner holds no graphs of raises
+    :class:`~graphpool.UnknownModeError` saying so (SGLang asks ``can_run`` first and runs such steps eagerly)."""
+    name = MODE_NAMES.get(forward_mode)
+    if name is None or forward_mode not in captured:
+        raise UnknownModeError(f"graphpool's runner holds graphs for {[m.name for m in captured]}, none for "
+                               f"{getattr(forward_mode, 'name', forward_mode)} batches: check can_run() / can_run_graph() "
+                               f"first (False for it: SGLang then runs the step eagerly)")
+    return name
 
 
 def forward_mode_of(batch: StepBatch) -> ForwardMode:

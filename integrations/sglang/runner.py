@@ -211,8 +211,8 @@ class MultiModeCudaGraphRunner:
         did not capture; every refusal is counted by reason (:attr:`refusals`).
         """
         name = MODE_NAMES.get(forward_batch.forward_mode)
-        if name is None:  # EXTEND, IDLE, ...: SGLang never asks for those, but a caller may
-            return False
+        if name is None or forward_batch.forward_mode not in self.tokens_per_mode:  # EXTEND, IDLE, or TARGET_VERIFY
+            return False  # without speculation: SGLang never asks for those, but a caller may
         reason = self._refusal(name, forward_batch)
         if reason is not None:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -279,7 +279,7 @@ class MultiModeCudaGraphRunner:
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
         return self.pool.stage(
-            MODE_NAMES[forward_batch.forward_mode], input_ids=forward_batch.input_ids,
+            common.pool_mode(forward_batch.forward_mode, self.tokens_per_mode), input_ids=forward_batch.input_ids,
             positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc,
             seq_lens=self._int32_seq_lens(forward_batch), req_pool_indices=forward_batch.req_pool_indices)
 
@@ -289,6 +289,8 @@ class MultiModeCudaGraphRunner:
         seq_lens = forward_batch.seq_lens
         if seq_lens.dtype == torch.int32:
             return seq_lens
+        if seq_lens.shape[0] > self.max_bs:  # no graph serves it: the pool raises BatchTooLargeError naming the size
+            return seq_lens.to(torch.int32)
         staged = self._seq_lens_int32[:seq_lens.shape[0]]
         staged.copy_(seq_lens)
         return staged

@@ -19,6 +19,7 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Dict, Optional, Union
 
@@ -27,6 +28,7 @@ import torch
 from graphpool import Step, StepBatch
 from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_is_extend_in_batch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -40,6 +42,12 @@ from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_re
 
 # 0.5.14's forward_context(ctx) vs 0.5.2x's forward_context(ctx, forward_batch=...).
 _CONTEXT_TAKES_BATCH = "forward_batch" in inspect.signature(forward_context).parameters
+
+
+# Per-token tensor fields of the model's output a replay returns sliced; every other field of the captured
+# output is kept as captured, as SGLang's execute keeps "extension fields" (``dataclasses.replace``).
+_SLICED_OUTPUTS = tuple(name for name in ("next_token_logits", "hidden_states", "last_hidden_states")
+                        if name in {f.name for f in dataclasses.fields(LogitsProcessorOutput)})
 
 
 def _forward_context(attn_backend: Any, forward_batch: ForwardBatch) -> Any:
@@ -113,6 +121,7 @@ class MultiModeDecodeRunner:
 
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
+        self._captured_outputs: Dict[common.GraphId, LogitsProcessorOutput] = {}  # non-tensor fields, as captured
         self.bs = self.raw_bs = self.raw_num_token = 0
         self.forward_mode = self.capture_forward_mode  # mode of the last loaded step
         self._step: Optional[Step] = None  # the step load_batch staged, for execute
@@ -159,10 +168,19 @@ class MultiModeDecodeRunner:
             hidden = self.capture_hidden_modes[mode] = spec_info.capture_hidden_mode
         fb = common.capture_forward_batch(
             self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
-            capture_hidden_mode=hidden, num_token_non_padded=None, logits=self.logits_buffer,
+            capture_hidden_mode=hidden, num_token_non_padded=self._masked_token_count(), logits=self.logits_buffer,
             dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), can_run_decode_cuda_graph=True)
         self.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
         self._capture_batches[graph_id] = fb
+
+    def _masked_token_count(self) -> Optional[torch.Tensor]:
+        """The non-padded token count graphs read where SGLang's do (expert parallelism, DP gather, custom
+        all-to-all MoE: its MoE layers mask padded rows); ``None`` elsewhere, as SGLang captures."""
+        try:
+            masked = forward_batch_info.enable_num_token_non_padded()
+        except (AssertionError, AttributeError, RuntimeError):  # no parallel state: a single-process tool
+            masked = False
+        return self.num_token_non_padded if masked else None
 
     def _capture_spec_info(self, num_tokens: int) -> Any:
         info = common.verify_capture_input(self.model_runner, self.custom_mask, num_steps=self.speculative_num_steps,
@@ -180,9 +198,10 @@ class MultiModeDecodeRunner:
             set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
             set_is_extend_in_batch(False)
             out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
-        result = {"next_token_logits": out.next_token_logits, "hidden_states": out.hidden_states}
+        result = {name: getattr(out, name) for name in _SLICED_OUTPUTS}
         if self._capturing:
             self.output_buffers[graph_id] = result  # the last call of a key at capture is the captured one
+            self._captured_outputs[graph_id] = out
         return result
 
     # ----------------------------------------------------------------------------------- steps
@@ -242,12 +261,13 @@ class MultiModeDecodeRunner:
         """Load (or re-stage) the batch and replay the graph of its own forward mode; outputs sliced to
         the real tokens."""
         self.load_batch(forward_batch, pp_proxy_tensors)
-        out = self.pool.replay(self._step)
-        return LogitsProcessorOutput(next_token_logits=out["next_token_logits"], hidden_states=out["hidden_states"])
+        step = self._step
+        out = self.pool.replay(step)
+        return dataclasses.replace(self._captured_outputs[(forward_batch.forward_mode, step.batch.bs)], **out)
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
         return self.pool.stage(
-            common.MODE_NAMES[forward_batch.forward_mode], input_ids=forward_batch.input_ids,
+            common.pool_mode(forward_batch.forward_mode, self.tokens_per_mode), input_ids=forward_batch.input_ids,
             positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc.to(torch.int64),
             seq_lens=forward_batch.seq_lens.to(torch.int64), req_pool_indices=forward_batch.req_pool_indices)
 

@@ -60,7 +60,9 @@ class SpeculationSwitch:
 
     def speculate(self, batch_size: int) -> bool:
         """The decision for a decode step of ``batch_size`` sequences (counts it)."""
-        spec = self.policy.choose(batch_size) == "target_verify" and (self.gate is None or self.gate.allow())
+        by_size = self.policy.choose(batch_size) == "target_verify"
+        allowed = self.gate is None or self.gate.allow()  # every decode step counts toward a gate's pause
+        spec = by_size and allowed
         if spec:
             self.spec_steps += 1
         else:

@@ -20,7 +20,9 @@ plain step allocates nothing: its one slot per request is already in ``req_to_to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -49,8 +51,10 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
         bonus_tokens: that token per request.
 
     Returns:
-        A ``ForwardBatch`` in DECODE mode, ``spec_info=None``, hidden states FULL (the draft catch-up
-        reads them), ``seq_lens`` advanced by one, writing K/V at the slot spec v2 reserved at ``seq_len``.
+        A ``ForwardBatch`` in DECODE mode, ``spec_info=None``, hidden states FULL for EAGLE (the draft
+        catch-up reads them) and none for a STANDALONE draft (it reads tokens only: the DECODE graphs are
+        captured without them), ``seq_lens`` advanced by one, writing K/V at the slot spec v2 reserved at
+        ``seq_len``.
 
     Raises:
         ValueError: the rows disagree, or ``seq_len`` is past ``req_to_token``'s columns. The slot at
@@ -65,12 +69,13 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
         raise ValueError(f"plain decode step at position {int(seq_lens_cpu.max())} past req_to_token's "
                          f"{table.shape[1]} columns")
     out_cache_loc = table[req_pool_indices, seq_lens.long()].to(torch.int64)
+    spec = model_runner.spec_algorithm
+    hidden = CaptureHiddenMode.NULL if spec is not None and spec.is_standalone() else CaptureHiddenMode.FULL
     fields = dict(
         forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=bonus_tokens.to(torch.int64),
         req_pool_indices=req_pool_indices, seq_lens=seq_lens + 1, seq_lens_cpu=seq_lens_cpu + 1,
         orig_seq_lens=seq_lens + 1, out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs,
-        positions=seq_lens.to(torch.int64), spec_info=None, capture_hidden_mode=CaptureHiddenMode.FULL,
-        spec_algorithm=model_runner.spec_algorithm)
+        positions=seq_lens.to(torch.int64), spec_info=None, capture_hidden_mode=hidden, spec_algorithm=spec)
     return ForwardBatch(**fields)
 
 
@@ -79,8 +84,10 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
     """One plain step of a spec-v2 decode ``batch``: the target on a DECODE graph, sampled, no draft work.
 
     Returns SGLang's ``GenerationBatchResult`` shaped like its own 0-step (trivial verify) result: one
-    token per request, ``accept_lens`` 1, and a next ``EagleDraftInput`` whose ``bonus_tokens`` are the new
-    tokens (the draft fields are zero stubs; the catch-up rebuilds them before the next speculative step).
+    token per request, ``accept_lens`` 1, the logprobs the batch asks for (SGLang's sampler computes them
+    as for plain decoding), and a next ``EagleDraftInput`` whose ``bonus_tokens`` are the new tokens (the
+    draft fields are zero stubs of the draft's own widths; the catch-up rebuilds them before the next
+    speculative step).
     """
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.speculative.eagle_info import EagleDraftInput
@@ -90,6 +97,8 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
     fb = plain_decode_batch(target, req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                             seq_lens_cpu=batch.seq_lens_cpu, bonus_tokens=draft_input.bonus_tokens)
     fb.sampling_info = batch.sampling_info
+    for name in _LOGPROB_FIELDS:  # what the scheduler reads back for requests that asked for logprobs
+        setattr(fb, name, getattr(batch, name, getattr(fb, name)))
     out = target.forward(fb)
     next_ids = target.sample(out.logits_output, fb)
     new_seq_lens = batch.seq_lens + 1
@@ -97,16 +106,20 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
         on_publish(new_seq_lens)
     lag.record([int(r) for r in batch.req_pool_indices.tolist()], batch.seq_lens_cpu.tolist(),
                out.logits_output.hidden_states)
-    hidden = out.logits_output.hidden_states
+    # The draft's hidden states travel between steps at the *draft's* width (EAGLE3's target returns 3x
+    # hidden_size): the stub keeps the width the draft input came with.
+    carried = getattr(draft_input, "hidden_states", None)
     next_draft = EagleDraftInput(
         bonus_tokens=next_ids.to(torch.int32), topk_p=torch.zeros((bs, worker.topk), device=next_ids.device),
         topk_index=torch.zeros((bs, worker.topk), dtype=torch.int64, device=next_ids.device),
-        hidden_states=torch.zeros_like(hidden) if hidden is not None else None)
-    return GenerationBatchResult(
+        hidden_states=None if carried is None else carried.new_zeros((bs, carried.shape[-1])))
+    result = dict(
         logits_output=out.logits_output, next_token_ids=next_ids, can_run_cuda_graph=out.can_run_graph,
         speculative_num_draft_tokens=1, next_draft_input=next_draft,
         accept_lens=torch.ones(bs, dtype=torch.int32, device=next_ids.device),
         accept_index=torch.arange(bs, device=next_ids.device)[:, None], new_seq_lens=new_seq_lens)
+    fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}  # accept_index is 0.5.2x's only
+    return GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
 
 
 def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
@@ -132,7 +145,8 @@ def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
     view.extend_lens = [e - s for s, e in zip(starts, ends)]
     view.prefix_lens = starts
     view.seq_lens, view.seq_lens_cpu = batch.seq_lens[idx], batch.seq_lens_cpu[idx]
-    hidden = torch.cat([gaps[rows[i]][1] for i in idx])
+    kept = [gaps[rows[i]][1] for i in idx]
+    hidden = torch.cat(kept) if kept[0] is not None else None  # None: a STANDALONE draft reads tokens only
     draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[idx])
     for name in ("topk_p", "topk_index", "hidden_states"):
         full = getattr(batch.spec_info, name)
@@ -145,6 +159,8 @@ def _committed_tokens(req: Any, start: int, end: int, device: Any) -> torch.Tens
     return torch.tensor(tokens[start:end], dtype=torch.int64, device=device)
 
 
+_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_nums", "token_ids_logprobs")
+
 _original_forward: Optional[Any] = None
 
 
@@ -156,12 +172,22 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
     switch = SpeculationSwitch(off_above if off_above is not None else 2**62, on_at_or_below)
-    lag = DraftLag()
+    lag = DraftLag(keep_hidden=None)  # EAGLE's plain steps give hidden states, a STANDALONE draft's none
     original = _original_forward or EAGLEWorkerV2.forward_batch_generation
+    # This SGLang's own parameters after (self, batch): 0.5.14 takes on_publish only, 0.5.2x adds
+    # grammar_barrier and pp_proxy_tensors. Calls pass through as they came.
+    position = {name: i for i, name in enumerate(list(inspect.signature(original).parameters)[2:])}
+
+    def argument(name: str, args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        i = position.get(name)
+        return args[i] if i is not None and i < len(args) else None
 
     @functools.wraps(original)
-    def forward_batch_generation(self: Any, batch: Any, on_publish: Any = None, grammar_barrier: Any = None,
-                                 pp_proxy_tensors: Any = None) -> Any:
+    def forward_batch_generation(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        on_publish = argument("on_publish", args, kwargs)
+        pp_proxy_tensors = argument("pp_proxy_tensors", args, kwargs)
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode and pp_proxy_tensors is None and batch.spec_info is not None:
             self.activate_step_by_batch(batch.seq_lens.shape[0])  # SGLang's adaptive step count, if on
@@ -170,8 +196,7 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
             eagle_v2_catch_up(self, batch, lag)
         elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
             lag.forget([req.req_pool_idx for req in batch.reqs])
-        return original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                        pp_proxy_tensors=pp_proxy_tensors)
+        return original(self, batch, *args, **kwargs)
 
     forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]

@@ -70,8 +70,17 @@ elif ! (cd / && "$PY" -c "import graphpool" >/dev/null 2>&1); then
   echo "quickstart: pytest, pytest-timeout, numpy, matplotlib and ninja are installed; installing graphpool itself" \
        "(editable, nothing downloaded)"
   if ! log=$("$PY" -m pip install -qq --no-deps --no-build-isolation -e . 2>&1); then
-    echo "quickstart: graphpool was not installed ($(printf '%s\n' "$log" | tail -n 1));" \
-         "it runs from this checkout all the same"
+    reason=$(printf '%s\n' "$log" | grep -iE "error|invalid|denied|not found" | tail -n 2 | xargs)
+    echo "quickstart: pip could not install graphpool: ${reason:-$(printf '%s\n' "$log" | tail -n 1)}"
+    # Link the package folder itself into the environment (an editable install minus pip's metadata), so
+    # `import graphpool` works from anywhere (examples/, your scripts); only graphpool/ becomes importable.
+    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    if [ ! -e "$site/graphpool" ] && ln -s "$PWD/graphpool" "$site/graphpool" 2>/dev/null; then
+      echo "quickstart: linked this checkout's graphpool/ into $site instead: import graphpool works from anywhere"
+    else
+      echo "quickstart: graphpool runs from this checkout (tests, bench/); for examples/ and your own scripts set" \
+           "PYTHONPATH=$PWD"
+    fi
   fi
 else
   echo "quickstart: graphpool and everything it needs are installed"

@@ -82,6 +82,7 @@ from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
+from bench.outputs import OutputError, OutputSet  # noqa: E402
 from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, acceptance, acceptance_lines,  # noqa: E402
                                  check_targets, count, explain, plot, table)
 from graphpool import SpeculationPolicy  # noqa: E402
@@ -121,7 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--concurrency", default=None, help=f"comma list (default GPU {FULL_C}, CPU {CPU_C})")
     p.add_argument("--quick", action="store_true", help=f"C in {QUICK_C} and fewer steps")
-    p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain")
+    p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain",
+                   help="comma list of plain, spec, dynamic, dynamic_eager_plain (default: all four)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 8 CPU)")
     p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 3 GPU, 1 CPU)")
     p.add_argument("--min-seconds", type=float, default=None,
@@ -162,35 +164,106 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the sweep, check in float32 that spec and dynamic outputs equal plain decoding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "out" / "decode_loop"),
-                   help="output prefix (.json and .png); default out/decode_loop in the checkout (ignored by git); "
-                        "recorded runs name bench/results/... explicitly")
+                   help="output prefix: writes PREFIX.json and PREFIX.png, replacing an earlier run's pair "
+                        "(a prefix ending in .json or .png names the pair too); default out/decode_loop in the "
+                        "checkout (ignored by git); recorded runs name bench/results/... explicitly")
     p.add_argument("-v", "--verbose", action="store_true")
     add_tp_arguments(p)
     return p.parse_args(argv)
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the device-dependent defaults."""
+    """Fill the device-dependent defaults and check every option before anything is built: a bad value
+    exits with one line naming the option and what it takes (``SystemExit``), not after a sweep."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = args.device.startswith("cuda")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        _refuse("--device", f"takes auto, cpu, cuda or cuda:N, got {args.device!r}")
+    gpu = device.type == "cuda"
     args.size = args.size if args.size != "auto" else ("medium" if gpu else "tiny")
     args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if gpu else "fp32")
     if args.concurrency:
-        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+        args.concurrency = _positive_ints("--concurrency", args.concurrency)
     else:
         args.concurrency = (QUICK_C if args.quick else FULL_C) if gpu else CPU_C
     preset = PRESETS[args.size]
-    args.steps = args.steps or ((40 if args.quick else 80) if gpu else 8)
-    args.warmup_steps = (3 if gpu else 1) if args.warmup_steps is None else args.warmup_steps
-    if args.min_seconds is None:  # --tp refuses a clock-based window (ranks must agree on the step count)
-        args.min_seconds = 1.0 if gpu and args.tp == 1 else 0.0
-    args.prompt_len = args.prompt_len or preset.prompt_len
-    args.min_new = args.min_new or preset.min_new
-    args.max_new = args.max_new or preset.max_new
-    args.draft_noise = preset.draft_noise if args.draft_noise is None else args.draft_noise
-    args.variants = [v for v in args.variants.split(",") if v]
+    defaults = {"steps": (40 if args.quick else 80) if gpu else 8, "warmup_steps": 3 if gpu else 1,
+                "min_seconds": 1.0 if gpu and args.tp == 1 else 0.0,  # --tp: ranks must agree on the step count
+                "prompt_len": preset.prompt_len, "min_new": preset.min_new, "max_new": preset.max_new,
+                "draft_noise": preset.draft_noise}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name, least in (("steps", 1), ("warmup_steps", 0), ("prompt_len", 1), ("min_new", 1), ("max_new", 1),
+                        ("topk", 1), ("draft_steps", 1), ("num_draft_tokens", 2), ("run_ahead", 0), ("tp", 1)):
+        if getattr(args, name) < least:
+            _refuse(f"--{name.replace('_', '-')}", f"must be >= {least}, got {getattr(args, name)}")
+    for name in ("min_seconds", "draft_noise"):
+        if not getattr(args, name) >= 0:
+            _refuse(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(args, name)}")
+    if args.min_new > args.max_new:
+        _refuse("--min-new", f"{args.min_new} is above --max-new {args.max_new} (request lengths are drawn "
+                             f"between them)")
+    args.variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))
+    unknown = [v for v in args.variants if v not in LABELS]
+    if unknown or not args.variants:
+        _refuse("--variants", f"takes a comma list of {', '.join(LABELS)}; got {unknown or 'none'}")
+    if args.threshold != "auto" and not (args.threshold.isdigit()):
+        _refuse("--threshold", f"takes auto or a batch size >= 0, got {args.threshold!r}")
+    try:
+        SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
+                   draft_noise=args.draft_noise, draft_select=args.draft_select)
+    except ValueError as exc:
+        _refuse("--topk/--draft-steps/--num-draft-tokens", str(exc))
+    if args.tp > 1:
+        try:
+            from bench.engine.parallel import TensorParallel
+            TensorParallel.check_split(preset.model(), args.tp)
+        except ValueError as exc:
+            _refuse("--tp", str(exc))
     return args
+
+
+def check_machine(args: argparse.Namespace) -> None:
+    """What only this machine can say, before anything is built: the GPUs asked for exist, and ``--out`` can be
+    written (``args.outputs``, the run's file pair)."""
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            _refuse("--device", f"{args.device!r}: this torch has no CUDA device (torch {torch.__version__}); use cpu")
+        if args.tp > torch.cuda.device_count():
+            _refuse("--tp", f"{args.tp} ranks need {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
+    try:
+        args.outputs = output_set(args.out)
+    except OutputError as exc:
+        _refuse("--out", str(exc))
+
+
+def _refuse(option: str, problem: str) -> None:
+    raise SystemExit(f"decode_loop: {option}: {problem}")
+
+
+def _positive_ints(option: str, text: str) -> list[int]:
+    """A comma list of distinct positive integers, in the order given (duplicates dropped)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        _refuse(option, f"takes a comma list of positive integers, e.g. 1,4,16; got {text!r}")
+    if any(v < 1 for v in values):
+        _refuse(option, f"takes positive integers, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def output_set(prefix: str) -> OutputSet:
+    """The run's JSON and plot, ``PREFIX.json`` and ``PREFIX.png`` (checked writable now, written together at
+    the end). A prefix that already ends in .json or .png names the same pair; any other dot stays in the name."""
+    base = Path(prefix)
+    if base.suffix in (".json", ".png"):
+        base = base.with_suffix("")
+    return OutputSet(Path(f"{base}.json"), Path(f"{base}.png"))
 
 
 def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPolicy | None) -> dict:
@@ -265,6 +338,7 @@ def match_rate(a: dict, b: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parse_args(argv))
+    check_machine(args)
     if args.tp > 1:  # every rank runs `run`; see bench/engine/tp_launch.py
         if args.min_seconds:
             raise SystemExit("--min-seconds cannot be used with --tp: each rank would end its windows on its own "
@@ -355,8 +429,6 @@ def run(tp, args: argparse.Namespace) -> int:
     checks = check_targets(results, args.concurrency) if gpu else [
         {"concurrency": c, "misses": sum(results[(v, c)]["graph_misses"] for v in LABELS if (v, c) in results)}
         for c in args.concurrency]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "runs_on": "cuda graphs" if pool.stats.backend == "cuda" else "eager twin (smoke run, no speed measurement)",
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
@@ -366,7 +438,7 @@ def run(tp, args: argparse.Namespace) -> int:
                             "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
             "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas, "skinny": args.skinny,
-            "args": {k: v for k, v in vars(args).items()}, "total_s": time.perf_counter() - t0,
+            "args": {k: v for k, v in vars(args).items() if k != "outputs"}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes
     identity = None
@@ -384,13 +456,16 @@ def run(tp, args: argparse.Namespace) -> int:
         print(f"identity: {identity}", flush=True)
     passed = acceptance(results, args.concurrency, checks, roofline_ms, identity)
     if tp is None or tp.rank == 0:
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows, "checks": checks,
-                                                        "identity": identity, "acceptance": passed}, indent=1,
-                                                       default=str))
-        png = plot(results, args.concurrency, out.with_suffix(".png"),
-                   title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""),
-                   gpu=gpu)
-        print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""))
+        outputs = args.outputs
+        json_path, png_path = outputs.paths
+        with outputs:  # both files or neither: an interrupt here leaves the previous pair as it was
+            outputs.temporary(json_path).write_text(json.dumps(
+                {"meta": meta, "results": rows, "checks": checks, "identity": identity, "acceptance": passed},
+                indent=1, default=str))
+            png = plot(results, args.concurrency, outputs.temporary(png_path),
+                       title=f"{args.size} model, {args.dtype}, {meta['device']}" + (f", TP {tp.size}" if tp else ""),
+                       gpu=gpu)
+        print(f"wrote {json_path}" + (f" and {png_path}" if png else ""))
     print(meta["graph_table"])
     print(explain(STATS_LEGEND.format(verify=modes["verify"].tokens_per_seq, prefill=modes["prefill"].tokens_per_seq,
                                       mib="" if gpu else " (0 on the eager twin: no graphs)")))

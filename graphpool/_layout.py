@@ -17,7 +17,7 @@ _SUBPACKAGES = ("kernels", "integrations")
 
 def map_checkout_packages() -> None:
     """Register ``graphpool.<name>`` for each folder of :data:`_SUBPACKAGES` that no installer provides."""
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # through a linked package folder
     for name in _SUBPACKAGES:
         full = f"graphpool.{name}"
         init = os.path.join(checkout, name, "__init__.py")

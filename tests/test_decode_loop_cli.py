@@ -198,3 +198,50 @@ def test_blas_flag_is_recorded_and_refused_off_cuda(tmp_path, capsys):
         decode_loop.main(["--device", "cpu", "--concurrency", "1", "--blas", "cublas", "--out", str(out)])
     with pytest.raises(ValueError, match="blas must be one of"):
         select_blas("mkl", "cpu")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--concurrency", "1,x"], "--concurrency: takes a comma list of positive integers"),
+    (["--concurrency", "0"], "--concurrency: takes positive integers"),
+    (["--threshold", "abc"], "--threshold: takes auto or a batch size >= 0"),
+    (["--variants", "foo"], "--variants: takes a comma list of plain, spec, dynamic, dynamic_eager_plain"),
+    (["--warmup-steps", "-1"], "--warmup-steps: must be >= 0"),
+    (["--steps", "0"], "--steps: must be >= 1"),
+    (["--max-new", "1"], "--min-new: 8 is above --max-new 1"),
+    (["--draft-steps", "0"], "--draft-steps: must be >= 1"),
+    (["--draft-noise", "-1"], "--draft-noise: must be >= 0"),
+    (["--device", "tpu"], "--device: takes auto, cpu, cuda or cuda:N"),
+    (["--tp", "3"], "--tp: tensor parallelism over 3 ranks splits heads"),
+    (["--tp", "0"], "--tp: must be >= 1"),
+    (["--out", "/proc/no-such-dir/x"], "--out: cannot write /proc/no-such-dir/x.json"),
+])
+def test_a_bad_option_stops_before_any_work_with_one_line_naming_it(argv, says, monkeypatch):
+    """Every option is checked before the engine is built: one line naming the option and what it takes,
+    not a traceback after the sweep."""
+    monkeypatch.setattr(decode_loop, "build", lambda *a, **k: pytest.fail("built an engine for a bad option"))
+    with pytest.raises(SystemExit, match="decode_loop: " + __import__("re").escape(says)):
+        decode_loop.main(["--device", "cpu", *argv] if "--device" not in argv else argv)
+
+
+def test_the_json_and_plot_are_written_together_or_not_at_all(tmp_path, monkeypatch):
+    """A failure while writing (here: the plot) leaves the previous pair as it was and no temporary file; a
+    prefix with a dot keeps it (``run_c1.5`` -> ``run_c1.5.json``, not ``run_c1.json``)."""
+    out = tmp_path / "run_c1.5"
+    argv = ["--device", "cpu", "--concurrency", "1", "--steps", "2", "--variants", "plain", "--out", str(out)]
+    assert decode_loop.main(argv) == 0
+    pair = [tmp_path / "run_c1.5.json", tmp_path / "run_c1.5.png"]
+    before = [p.read_bytes() for p in pair]
+
+    def failing_plot(results, cs, path, **kw):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode_loop, "plot", failing_plot)
+    with pytest.raises(KeyboardInterrupt):
+        decode_loop.main(argv)
+    assert [p.read_bytes() for p in pair] == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_c1.5.json", "run_c1.5.png"]
+    monkeypatch.setattr(decode_loop, "plot", lambda *a, **k: None)  # no matplotlib: the old plot must go
+    assert decode_loop.main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_c1.5.json"]
+    assert json.loads(pair[0].read_text())["meta"]["blas"] == "torch's cpu"

@@ -28,6 +28,8 @@ def select_blas(name: str, device: torch.device | str) -> str:
         if torch.device(device).type != "cuda":
             raise ValueError(f"blas={name!r} picks a CUDA library; the run is on {torch.device(device)}: use 'default'")
         torch.backends.cuda.preferred_blas_library(name)
+    if torch.device(device).type != "cuda":
+        return f"torch's {torch.device(device).type}"  # no CUDA library runs a CPU run's GEMMs
     return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
 
 

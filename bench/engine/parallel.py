@@ -117,12 +117,17 @@ class TensorParallel:
         return cfg.num_heads // self.size, cfg.num_kv_heads // self.size
 
     def _check_divides(self, cfg: ModelConfig) -> None:
+        self.check_split(cfg, self.size)
+
+    @staticmethod
+    def check_split(cfg: ModelConfig, size: int) -> None:
+        """Raise ``ValueError`` unless ``size`` ranks split ``cfg`` evenly (checkable before spawning ranks)."""
         parts = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
                  "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
-        bad = {k: v for k, v in parts.items() if v % self.size}
+        bad = {k: v for k, v in parts.items() if v % size}
         if bad:
-            raise ValueError(f"tensor parallelism over {self.size} ranks splits heads, KV heads, the MLP and the "
-                             f"vocabulary evenly; {bad} do not divide by {self.size}: pick a tp that divides them")
+            raise ValueError(f"tensor parallelism over {size} ranks splits heads, KV heads, the MLP and the "
+                             f"vocabulary evenly; {bad} do not divide by {size}: pick a tp that divides them")
 
     @torch.no_grad()
     def shard(self, model: LlamaModel) -> LlamaModel:

@@ -1,0 +1,41 @@
+"""quickstart.sh's set-up where everything but graphpool is installed and pip cannot install it.
+
+A fresh virtual environment that sees this Python's packages (torch, pytest, ...) through a ``.pth`` file, with
+pip made to refuse (``PIP_CONSTRAINT`` naming no file, as an old setuptools without ``bdist_wheel`` refuses): the
+script must say what pip said and still leave ``import graphpool`` working from any folder (the README's example
+runs from ``examples/``).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
+def test_a_refused_editable_install_links_graphpool_so_the_example_imports_it(tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())
+    (site / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # this Python's torch, pytest, ...
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", "out", ".sgl", ".whl", "__pycache__"))
+    done = subprocess.run(["bash", "quickstart.sh", "--setup-only"], cwd=checkout, capture_output=True, text=True,
+                          env={"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "PYTHON": str(python), "HOME": str(tmp_path),
+                               "PIP_CONSTRAINT": str(tmp_path / "no-such-file")},
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pip could not install graphpool: " in done.stdout and "Could not open requirements file" in done.stdout
+    assert "import graphpool works from anywhere" in done.stdout
+    probe = "import graphpool, graphpool.kernels, graphpool.integrations; print(graphpool.kernels.__file__)"
+    found = subprocess.check_output([python, "-c", probe], cwd=tmp_path, text=True).strip()
+    assert Path(found) == checkout / "kernels" / "__init__.py"

@@ -2,22 +2,30 @@
 says on its face what ran."""
 from __future__ import annotations
 
+import logging
 import statistics
 
 import graphpool as gp
 from bench.decode_report import explain
 
+log = logging.getLogger(__name__)
+
 GRAPH_METHODS = ["floor", "graphpool", "graphpool-run", "graphpool+prep", "triton-launch", "sglang", "foreach",
                  "graph-pad"]
 
 
-def plot(rows: list[dict], modes: list[gp.Mode], sizes: list[int], path: str, what_ran: str) -> None:
+def plot(rows: list[dict], modes: list[gp.Mode], sizes: list[int], path: str, what_ran: str) -> bool:
     """Host us per step vs batch size, one line per method, one panel per mode; the x axis is labelled
-    with the captured batch sizes, and the title says what ran."""
-    import matplotlib
-    import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with the captured batch sizes, and the title says what ran. Returns False, with a logged warning and
+    nothing written, without matplotlib (an optional dependency: the JSON and CSV hold every figure)."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot written")
+        return False
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.8), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         for method in sorted({r["method"] for r in rows}):
@@ -33,6 +41,7 @@ def plot(rows: list[dict], modes: list[gp.Mode], sizes: list[int], path: str, wh
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def paired_overheads(floor: list[float], graphpool: list[float], sglang: list[float]) -> tuple[float, float, float]:

@@ -3,6 +3,8 @@ and (GPU) the full method set with the GPU floor beside graphpool's GPU time."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,166 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
                    "gp stage:", "gp ovh, sgl ovh:", "ratio:", "gpool-floor:", "match:", "b2b floor, b2b gpool:",
                    "b2b added:"):
         assert column in flat, column
+
+
+# Argument checks, --step loading, exact iteration counts and the all-or-none output set. Each run is the
+# smallest one: one mode, one batch size, one timed step per method, no warm-up.
+TINY = ["--device", "cpu", "--modes", "decode:1", "--batch-sizes", "1", "--iters", "1", "--warmup", "0"]
+OUTPUTS = {"replay_latency.json", "replay_latency.csv", "replay_latency.png"}
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one stderr line of a run main refused with status 2 (argparse's status for a usage error)."""
+    with pytest.raises(SystemExit) as exc:
+        replay_latency.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("replay_latency: "), err
+    return err
+
+
+def strict_json(path: Path) -> dict:
+    """The file parsed as strict JSON: a bare NaN or Infinity fails."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("spec", ["nosuchmod:make", "bench.default_step:nosuch", "os:getcwd", "nocolon",
+                                  ":make", "bench.default_step:", "bench.default_step:make:x"])
+def test_bad_step_is_one_line_saying_what_is_expected(tmp_path, capsys, monkeypatch, spec):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory on it
+    err = refused(capsys, [*TINY, "--step", spec, "--out", str(tmp_path / "rl")])
+    assert err.startswith(f"replay_latency: --step {spec}: ")
+    assert err.endswith("expected module:factory, factory(device, max_tokens) -> bench.default_step.BenchStep")
+    assert not (tmp_path / "rl").exists()  # refused before the outputs were even checked
+
+
+def test_bad_step_names_the_missing_module_and_where_it_was_looked_up(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory on it
+    err = refused(capsys, [*TINY, "--step", "nosuchmod:make", "--out", str(tmp_path / "rl")])
+    assert "no module named 'nosuchmod'" in err and f"current directory ({tmp_path})" in err
+
+
+def test_step_that_returns_no_step_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "rl_notastep.py").write_text("def make(device, max_tokens):\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    err = refused(capsys, [*TINY, "--step", "rl_notastep:make", "--out", str(tmp_path / "rl")])
+    assert "returned a value of type int" in err and not (tmp_path / "rl" / "replay_latency.json").exists()
+
+
+def test_step_module_is_found_in_the_working_directory(tmp_path):
+    """Run as a script from the folder holding the user's module (Python puts only bench/ on the path)."""
+    (tmp_path / "my_step.py").write_text(
+        "from bench.default_step import make as _make\n\n\n"
+        "def make(device, max_tokens):\n"
+        "    return _make(device, max_tokens, hidden=32, vocab=64, layers=1)\n")
+    script = Path(replay_latency.__file__).resolve()
+    done = subprocess.run([sys.executable, str(script), *TINY, "--step", "my_step:make", "--no-plots",
+                           "--out", str(tmp_path / "rl")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {r["method"] for r in strict_json(tmp_path / "rl" / "replay_latency.json")["rows"]} == {"graphpool", "eager"}
+    help_text = " ".join(replay_latency.__doc__.split())
+    assert "looked up first in the current working directory" in help_text
+
+
+@pytest.mark.parametrize("argv, start", [
+    (["--modes", "decode"], "--modes decode: 'decode' is not name:tokens_per_seq"),
+    (["--modes", "decode:x"], "--modes decode:x: tokens_per_seq of 'decode' must be an integer"),
+    (["--modes", "decode:0"], "--modes decode:0: tokens_per_seq of 'decode' must be >= 1"),
+    (["--modes", "decode:1,decode:2"], "--modes decode:1,decode:2: mode 'decode' is named twice"),
+    (["--batch-sizes", "0"], "--batch-sizes 0: batch size 0 is not positive"),
+    (["--batch-sizes=-1,2"], "--batch-sizes -1,2: batch size -1 is not positive"),
+    (["--batch-sizes", "1,,2"], "--batch-sizes 1,,2: '' is not an integer"),
+    (["--batch-sizes", "2,2"], "--batch-sizes 2,2: batch size 2 is listed twice"),
+    (["--device", "tpu"], "--device tpu: not a device name torch knows; expected cpu or cuda[:index]"),
+    (["--device", "meta"], "--device meta: graphpool runs on cuda (CUDA graphs) or cpu"),
+    (["--iters", "0"], "--iters 0: expected a positive number"),
+    (["--iters", "-5"], "--iters -5: expected a positive number"),
+    (["--warmup", "-1"], "--warmup -1: expected untimed steps per method >= 0"),
+    (["--iters", "x"], "--iters: invalid int value"),
+])
+def test_bad_options_are_refused_before_anything_runs(tmp_path, capsys, argv, start):
+    err = refused(capsys, [*TINY, *argv, "--out", str(tmp_path / "rl")])
+    assert err.startswith(f"replay_latency: {start}"), err
+    assert "expected" in err or "invalid" in err
+    assert not (tmp_path / "rl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch has no CUDA device")
+def test_cuda_without_a_cuda_device_is_refused(tmp_path, capsys):
+    err = refused(capsys, [*TINY, "--device", "cuda", "--out", str(tmp_path / "rl")])
+    assert err.startswith("replay_latency: --device cuda: torch ") and "sees no CUDA device" in err
+
+
+def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, capsys):
+    file = tmp_path / "taken"
+    file.write_text("not a folder")
+    err = refused(capsys, [*TINY, "--out", str(file)])
+    assert err.startswith(f"replay_latency: --out {file}: an existing file, not a folder")
+    err = refused(capsys, [*TINY, "--out", str(file / "rl")])
+    assert err.startswith(f"replay_latency: --out {file / 'rl'}: cannot write")
+    assert file.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("iters", [1, 5, 10, 25])
+def test_timed_runs_exactly_the_asked_steps(iters):
+    calls = {"a": 0, "b": 0}
+
+    def method(name: str) -> replay_latency.Method:
+        return (lambda: calls.__setitem__(name, calls[name] + 1), lambda _: None)
+    got = replay_latency.timed({"a": method("a"), "b": method("b")}, iters, warmup=3, cuda=False)
+    assert calls == {"a": iters + 3, "b": iters + 3}
+    assert all(r["steps_timed"] == iters for r in got.values())
+    assert all(len(r["host_rounds_us"]) == -(-iters // 10) for r in got.values())  # rounds of 10, last shorter
+
+
+def test_run_records_the_steps_it_timed_and_writes_strict_json(tmp_path, capsys):
+    out = tmp_path / "rl"
+    assert replay_latency.main([*TINY, "--iters", "13", "--no-plots", "--out", str(out)]) == 0
+    data = strict_json(out / "replay_latency.json")
+    assert data["env"]["iters"] == 13 and data["env"]["warmup"] == 0
+    assert all(r["steps_timed"] == 13 and len(r["host_rounds_us"]) == 2 for r in data["rows"])
+    assert all(r["gpu_us"] is None and r["gpu_b2b_us"] is None for r in data["rows"])  # not measured on a CPU
+    assert set(p.name for p in out.iterdir()) == OUTPUTS - {"replay_latency.png"}
+
+
+def _previous_set(out: Path) -> dict[str, str]:
+    out.mkdir(parents=True)
+    for name in OUTPUTS:
+        (out / name).write_text(f"previous run's {name}")
+    return {p.name: p.read_text() for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_failed_write_leaves_the_previous_set_and_no_temporaries(tmp_path, capsys, monkeypatch, error):
+    out = tmp_path / "rl"
+    before = _previous_set(out)
+
+    def broken_plot(rows, modes, sizes, path, what_ran):
+        Path(path).write_bytes(b"half a png")  # cut short while the JSON and CSV were already written
+        raise error("plot failed")
+    monkeypatch.setattr(replay_latency, "plot", broken_plot)
+    with pytest.raises(error):
+        replay_latency.main([*TINY, "--out", str(out)])
+    assert {p.name: p.read_text() for p in out.iterdir()} == before  # hidden temporaries included
+
+
+def test_no_plots_removes_the_previous_png(tmp_path, capsys):
+    out = tmp_path / "rl"
+    _previous_set(out)
+    assert replay_latency.main([*TINY, "--no-plots", "--out", str(out)]) == 0
+    assert set(p.name for p in out.iterdir()) == OUTPUTS - {"replay_latency.png"}
+    assert strict_json(out / "replay_latency.json")["rows"]
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_warning(tmp_path, capsys, caplog, monkeypatch):
+    out = tmp_path / "rl"
+    _previous_set(out)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert replay_latency.main([*TINY, "--out", str(out)]) == 0
+    assert "matplotlib is not installed: no plot written" in caplog.text
+    assert set(p.name for p in out.iterdir()) == OUTPUTS - {"replay_latency.png"}  # no stale plot beside it

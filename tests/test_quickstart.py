@@ -7,6 +7,7 @@ runs from ``examples/``).
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def test_a_refused_editable_install_links_graphpool_so_the_example_imports_it(tm
                                "PIP_CONSTRAINT": str(tmp_path / "no-such-file")},
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "pip could not install graphpool: " in done.stdout and "Could not open requirements file" in done.stdout
+    said = re.search(r"pip could not install graphpool: (.+)", done.stdout)
+    assert said and said.group(1).strip(), done.stdout  # what pip said, whatever its words in this pip version
     assert "import graphpool works from anywhere" in done.stdout
     probe = "import graphpool, graphpool.kernels, graphpool.integrations; print(graphpool.kernels.__file__)"
     found = subprocess.check_output([python, "-c", probe], cwd=tmp_path, text=True).strip()

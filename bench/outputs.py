@@ -75,4 +75,7 @@ class OutputSet:
         return self
 
     def __exit__(self, kind: type | None, *rest: object) -> None:
-        self.discard() if kind is not None else self.commit()
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()

@@ -96,6 +96,19 @@ if triton is not None:
         packed = tl.sum(keep.to(tl.int32) << bit, axis=1)
         tl.store(out_ptr + r * region + offs, packed.to(tl.uint8), mask=offs < region)
 
+    @triton.jit
+    def _kept_columns(mask_ptr, r, q, live, stride_mr, stride_mt, n_extra, E_BLOCK: tl.constexpr):
+        # Per token (r, q) of a block: how many of its n_extra tree-mask columns it sees (nonzero bits).
+        row = mask_ptr + r.to(tl.int64) * stride_mr + q.to(tl.int64) * stride_mt
+        kept = tl.zeros(r.shape, tl.int32)
+        e0 = 0
+        while e0 < n_extra:
+            e = e0 + tl.arange(0, E_BLOCK)
+            bits = tl.load(row[:, None] + e[None, :], mask=live[:, None] & (e[None, :] < n_extra), other=0)
+            kept += tl.sum((bits != 0).to(tl.int32), axis=1)
+            e0 += E_BLOCK
+        return kept
+
     @triton.jit(do_not_specialize=["stride_mr", "stride_mt", "n_tokens", "tokens", "n_extra"])
     def _tree_decode_indptr_kernel(prefix_ptr, mask_ptr, indptr_ptr, stride_mr, stride_mt, n_tokens, tokens,
                                    n_extra, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
@@ -111,13 +124,7 @@ if triton is not None:
             r = i // tokens
             q = i - r * tokens
             lens = tl.load(prefix_ptr + r, mask=live, other=0).to(tl.int32)
-            row = mask_ptr + r.to(tl.int64) * stride_mr + q.to(tl.int64) * stride_mt
-            e0 = 0
-            while e0 < n_extra:
-                e = e0 + tl.arange(0, E_BLOCK)
-                bits = tl.load(row[:, None] + e[None, :], mask=live[:, None] & (e[None, :] < n_extra), other=0)
-                lens += tl.sum((bits != 0).to(tl.int32), axis=1)
-                e0 += E_BLOCK
+            lens += _kept_columns(mask_ptr, r, q, live, stride_mr, stride_mt, n_extra, E_BLOCK)
             tl.store(indptr_ptr + 1 + i, carry + tl.cumsum(lens, axis=0), mask=live)
             carry += tl.sum(lens, axis=0)
             t0 += BLOCK
@@ -139,13 +146,8 @@ if triton is not None:
             before = j < i
             rj = j // tokens
             lens = tl.load(prefix_ptr + rj, mask=before, other=0).to(tl.int64)
-            mrows = mask_ptr + rj.to(tl.int64) * stride_mr + (j - rj * tokens).to(tl.int64) * stride_mt
-            e0 = 0
-            while e0 < n_extra:
-                e = e0 + tl.arange(0, E_BLOCK)
-                bits = tl.load(mrows[:, None] + e[None, :], mask=before[:, None] & (e[None, :] < n_extra), other=0)
-                lens += tl.sum((bits != 0).to(tl.int64), axis=1)
-                e0 += E_BLOCK
+            lens += _kept_columns(mask_ptr, rj, j - rj * tokens, before, stride_mr, stride_mt, n_extra,
+                                  E_BLOCK).to(tl.int64)
             start = tl.sum(lens, axis=0)
         else:
             start = tl.load(indptr_ptr + i).to(tl.int64)

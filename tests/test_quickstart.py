@@ -18,6 +18,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# What a checkout holds beside its sources and must not be copied: CI's virtual environment alone is 3 GB.
+BUILT = {".git", "out", ".sgl", ".whl", "__pycache__", ".pytest_cache", "build", "dist"}
+
+
+def _sources_only(folder: str, names: list[str]) -> list[str]:
+    """copytree's ignore: build outputs, caches and any virtual environment, whatever its name."""
+    return [name for name in names if name in BUILT or name.endswith(".egg-info")
+            or (Path(folder) / name / "pyvenv.cfg").exists()]
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
@@ -29,7 +37,7 @@ def test_a_refused_editable_install_links_graphpool_so_the_example_imports_it(tm
                                         text=True).strip())
     (site / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # this Python's torch, pytest, ...
     checkout = tmp_path / "checkout"
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", "out", ".sgl", ".whl", "__pycache__"))
+    shutil.copytree(ROOT, checkout, ignore=_sources_only)
     done = subprocess.run(["bash", "quickstart.sh", "--setup-only"], cwd=checkout, capture_output=True, text=True,
                           env={"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "PYTHON": str(python), "HOME": str(tmp_path),
                                "PIP_CONSTRAINT": str(tmp_path / "no-such-file")},

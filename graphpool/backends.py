@@ -1,8 +1,10 @@
 """Two backends behind one small interface: real CUDA graphs, and an eager twin.
 
 The twin "captures" by remembering the function and "replays" by calling it on the same static views,
-so every rule of the pool (routing, padding, buffers, slicing, errors) runs on a CPU in CI. It is no
-substitute for the CUDA backend: only that one proves capture, replay and memory sharing.
+so every rule of the pool (routing, padding, buffers, slicing, errors) runs on a CPU in CI. Like a graph,
+it writes every replay's outputs into the tensors its capture returned, so code that keeps a result past
+the next run without ``copy=True`` breaks on the CPU as it would on a GPU. It is no substitute for the
+CUDA backend: only that one proves capture, replay and memory sharing.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import DeviceFaultError
+from .errors import DeviceFaultError, StepOutputError
+from .outputs import tensor_leaves
 
 Captured = Any  # torch.cuda.CUDAGraph for the CUDA backend, the step function itself for the twin
 
@@ -19,7 +22,6 @@ class EagerBackend:
     """Runs steps eagerly; works on any device."""
 
     name = "eager"
-    static_outputs = False  # every replay returns fresh tensors
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -28,18 +30,39 @@ class EagerBackend:
         return fn()
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Captured, Any, int]:
-        """"Records" ``fn`` by keeping it; runs it once, as a capture would, for its outputs."""
-        return fn, fn(), 0
+        """"Records" ``fn``: runs it once, as a capture would, for its outputs; the replay it returns runs
+        ``fn`` again and copies what it returns into those outputs."""
+        out = fn()
+        targets = tensor_leaves(out)
+
+        def replay() -> None:
+            produced = tensor_leaves(fn())
+            if len(produced) != len(targets) or any(
+                    (t is None) != (p is None) or t is not None and t.shape != p.shape
+                    for t, p in zip(targets, produced)):
+                raise StepOutputError(
+                    f"the step's outputs changed between its capture and a replay ({_shapes(targets)} became "
+                    f"{_shapes(produced)}); a graph's outputs are fixed: return tensors of the same structure and "
+                    f"shapes on every run")
+            with torch.inference_mode():  # raw writes, as a graph's: no autograd, and capture-time tensors stay writable
+                for target, new in zip(targets, produced):
+                    if target is not None and target is not new:
+                        target.copy_(new)
+
+        return replay, out, 0
 
     def synchronize(self) -> None:
         pass
+
+
+def _shapes(leaves: list[Any]) -> list[Any]:
+    return [None if t is None else tuple(t.shape) for t in leaves]
 
 
 class CudaGraphBackend:
     """Captures ``torch.cuda.CUDAGraph``s on one side stream into one shared memory pool."""
 
     name = "cuda"
-    static_outputs = True  # outputs live in graph memory at fixed addresses
 
     def __init__(self, device: torch.device, memory_pool: Any = None):
         if device.type != "cuda":

@@ -61,7 +61,7 @@ class Entry:
     run: Callable[[], Any] = lambda: None          # enqueue the graph; the eager twin returns its outputs
     stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
     layout: Optional[OutputLayout] = None
-    sliced: list = field(default_factory=list)     # [real_bs] -> outputs for layout.fresh (CUDA graphs only)
+    sliced: list = field(default_factory=list)     # [real_bs] -> outputs for layout.fresh
 
 
 class Step:
@@ -148,10 +148,10 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     entry.run = _enqueue(backend, graph, stager, stages=in_graph)
     entry.stats.capture_s = time.perf_counter() - started
     entry.stats.graph_bytes = graph_bytes + nbytes
-    if backend.static_outputs:
-        tps = batch.mode.tokens_per_seq
-        entry.sliced = [()] + [entry.layout.prepare(entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real))
-                               for real in range(1, key.bs + 1)]
+    # Both backends rewrite the same output tensors every replay: the views for each real batch size are made once.
+    tps = batch.mode.tokens_per_seq
+    entry.sliced = [()] + [entry.layout.prepare(entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real))
+                           for real in range(1, key.bs + 1)]
     return entry
 
 
@@ -181,7 +181,8 @@ class CapturedGraph:
     pool steps before and after it stay correct, and it counts as a step of the pool: one thread at a
     time (:class:`ConcurrentUseError`), and a step staged before it and not yet replayed is stale
     (:class:`StaleStepError`). It does not run ``prepare``, and its outputs are only reachable through
-    the step function's own tensors (or a later ``pool.run``).
+    the step function's own tensors (or a later ``pool.run``). After ``pool.close()`` or a new capture,
+    it raises :class:`NotCapturedError`.
     """
 
     def __init__(self, entry: Entry, replay: Callable[[Entry], None]):

@@ -72,8 +72,9 @@ class ConcurrentUseError(GraphPoolError, RuntimeError):
 
 
 # A non-blocking acquire of the pool's lock cannot miss an overlap (a plain flag could) and costs ~0.1 us.
-CONCURRENT_USE = ("two threads used one GraphPool at once (or one replayed a step another staged); a pool serves "
-                  "one caller at a time: use one pool per thread, or hold a lock around each run / stage+replay")
+CONCURRENT_USE = ("two calls used one GraphPool at once: a second thread, a call from inside step_fn or prepare, or "
+                  "a replay of a step another thread staged; a pool serves one caller at a time: use one pool per "
+                  "thread, or hold a lock around each run / stage+replay, and never call the pool from its step")
 
 
 class StaleStepError(GraphPoolError, RuntimeError):

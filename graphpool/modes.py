@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence, Tuple
 
@@ -38,7 +39,7 @@ class Mode:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"Mode name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.tokens_per_seq, int) or self.tokens_per_seq < 1:
+        if not _is_whole(self.tokens_per_seq) or self.tokens_per_seq < 1:
             raise ValueError(f"Mode {self.name!r}: tokens_per_seq must be an int >= 1, got {self.tokens_per_seq!r}")
         if self.batch_sizes is not None:
             object.__setattr__(self, "batch_sizes", _check_sizes(self.batch_sizes, f"Mode {self.name!r}"))
@@ -77,7 +78,9 @@ class StepInput:
             raise ValueError(f"StepInput {self.name!r}: per must be 'token' or 'seq', got {self.per!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"StepInput {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
-        object.__setattr__(self, "trailing", tuple(int(d) for d in self.trailing))
+        if not isinstance(self.trailing, (tuple, list, torch.Size)) or not all(map(_is_whole, self.trailing)):
+            raise TypeError(f"StepInput {self.name!r}: trailing must be a tuple of ints, got {self.trailing!r}")
+        object.__setattr__(self, "trailing", tuple(operator.index(d) for d in self.trailing))
         if any(d < 1 for d in self.trailing):
             raise ValueError(f"StepInput {self.name!r}: every trailing dimension must be >= 1, got {self.trailing}")
         _check_fill(self)
@@ -96,23 +99,42 @@ class StepInput:
         return bs * tokens_per_seq if self.per == PER_TOKEN else bs
 
 
+def _is_whole(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool, float or string that int() would quietly convert."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_fill(spec: StepInput) -> None:
     """Refuse a fill value that ``spec.dtype`` would silently change (0.7 in an int64 input becomes 0)."""
     fill, dtype = spec.fill, spec.dtype
-    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
-        raise TypeError(f"StepInput {spec.name!r}: fill must be an int or float, got {type(fill).__name__}")
+    if isinstance(fill, bool) and dtype != torch.bool or not isinstance(fill, (int, float)):
+        raise TypeError(f"StepInput {spec.name!r}: fill must be an int or float (a bool only for a bool input), "
+                        f"got {type(fill).__name__}")
     if dtype == torch.bool:
         ok = fill in (0, 1)
     elif dtype.is_floating_point:
-        ok = math.isnan(fill) or torch.tensor(fill, dtype=torch.float64).to(dtype).double().item() == fill
+        try:
+            ok = math.isnan(fill) or torch.tensor(float(fill), dtype=torch.float64).to(dtype).double().item() == fill
+        except OverflowError:  # an int beyond every float
+            ok = False
     elif dtype.is_complex:
         ok = True
     else:
         info = torch.iinfo(dtype)
         ok = float(fill).is_integer() and info.min <= fill <= info.max
     if not ok:
-        raise ValueError(f"StepInput {spec.name!r}: fill {fill!r} is not representable in {dtype} (it would become "
-                         f"{torch.tensor(fill).to(dtype).item()!r}); pick a fill value of that dtype")
+        try:
+            becomes = f"it would become {torch.tensor(fill).to(dtype).item()!r}"
+        except (OverflowError, RuntimeError, ValueError):  # torch cannot even hold it
+            becomes = "it does not fit"
+        raise ValueError(f"StepInput {spec.name!r}: fill {fill!r} is not representable in {dtype} ({becomes}); "
+                         f"pick a fill value of that dtype")
 
 
 @dataclass(frozen=True, order=True)
@@ -124,7 +146,9 @@ class GraphKey:
 
 
 def _check_sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
-    out = tuple(sorted(set(int(s) for s in sizes)))
+    if isinstance(sizes, (str, bytes)) or not all(map(_is_whole, sizes)):
+        raise ValueError(f"{what}: batch sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+    out = tuple(sorted(set(operator.index(s) for s in sizes)))
     if not out or out[0] < 1:
         raise ValueError(f"{what}: batch sizes must be a non-empty list of ints >= 1, got {list(sizes)!r}")
     return out

@@ -4,7 +4,7 @@ A step returns a tensor, or a tuple, namedtuple, list or dict (nested as deep as
 are tensors or ``None``. :class:`OutputLayout` records that structure once, at capture, as a flat list of
 leaves plus a builder, so a CUDA-graph run hands back a *fresh container* around pre-made, pre-sliced
 views: the caller may pop or rebind keys of one result without touching the next, and no tensor is made
-per run.
+per run. (A flat tuple or namedtuple is immutable, so the same one is handed out every run.)
 """
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def map_outputs(out: Outputs, fn: Callable[[torch.Tensor], torch.Tensor]) -> Out
     if isinstance(out, (tuple, list)):
         return type(out)(map_outputs(v, fn) for v in out)
     return out
+
+
+def tensor_leaves(out: Outputs) -> list[Any]:
+    """Every tensor (or ``None``) leaf of a step's outputs, in :class:`OutputLayout`'s order."""
+    if out is None or isinstance(out, torch.Tensor):
+        return [out]
+    children = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [leaf for child in children for leaf in tensor_leaves(child)]
 
 
 def slice_outputs(out: Outputs, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> Outputs:

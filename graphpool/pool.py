@@ -43,13 +43,19 @@ import torch
 from .backends import CudaGraphBackend, make_backend, wait_for_device
 from .buffers import StaticBuffers
 from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
-from .errors import CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, StaleStepError
+from .errors import (CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, NotCapturedError,
+                     StaleStepError)
 from .modes import GraphKey, KeyTable, Mode, StepInput
-from .outputs import Outputs, clone_outputs, slice_outputs
+from .outputs import Outputs, clone_outputs
 from .staging import make_stager
 from .routing import Router
 from .stats import PoolStats
 from .validation import InputRules
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
 
 log = logging.getLogger("graphpool")
 
@@ -91,7 +97,7 @@ class GraphPool:
         self._rules = InputRules(inputs, self.device, modes)
         self.buffers = StaticBuffers(self._rules.specs, self._keys, self.device)
         self.backend = make_backend(backend, self.device, memory_pool)
-        self.debug = os.environ.get("GRAPHPOOL_DEBUG", "") not in ("", "0") if debug is None else debug
+        self.debug = _env_flag("GRAPHPOOL_DEBUG") if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
         self._stager = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers, self._keys,
                                    self._rules, self.synchronize, ring_slots, fast_checks)
@@ -152,7 +158,8 @@ class GraphPool:
                 ``prepare``, staging is its own small graph replayed first; without, it is the first
                 node of the step's graph.
             warmup: eager runs of each key before its capture.
-            progress: print one progress line per graph to stderr.
+            progress: report progress on stderr: on a terminal one line, rewritten per graph; elsewhere
+                (logs, CI) one line when the last graph is captured.
 
         Raises:
             CaptureError: a key failed to capture (or the step returned something that is not tensors,
@@ -179,6 +186,7 @@ class GraphPool:
             self.synchronize()
         self._release()
         self._step_fn = self._prepare = None
+        self._router.failure = None  # closed, not failed: run() says "not captured"
 
     def _release(self) -> None:
         self._router.plans, self._entries, self._pending = {}, {}, None
@@ -289,17 +297,15 @@ class GraphPool:
         if self._prepare is not None:
             self._prepare(batch, real_bs)
         if entry is None:
+            self._router.count_miss(step.mode)
             return self._step_fn(batch)
         stats = entry.stats
         stats.replays += 1
         stats.padded_rows += step.padded_rows
-        out = entry.run()
+        entry.run()
         if self.debug:
             self._debug_after(entry.key)
-        if entry.sliced:
-            return entry.layout.fresh(entry.sliced[real_bs])
-        tps = step.mode.tokens_per_seq
-        return slice_outputs(out, batch.num_tokens, batch.bs, real_bs * tps, real_bs)
+        return entry.layout.fresh(entry.sliced[real_bs])
 
     def graph(self, mode: str, bs: int) -> CapturedGraph:
         """The captured graph of key (mode, bs), for benchmarks and debugging: its ``replay()`` runs on the
@@ -315,6 +321,9 @@ class GraphPool:
         if not self._busy.acquire(False):
             raise ConcurrentUseError(CONCURRENT_USE)
         try:
+            if self._entries.get(entry.key) is not entry:
+                raise NotCapturedError(f"graph (mode {entry.key.mode!r}, bs {entry.key.bs}) was freed by close() or a "
+                                       f"later capture(); get a new handle with pool.graph(mode, bs)")
             self._pending = None  # it rewrites the ring row a staged step would read: that step is stale
             if entry.stage_run is None:  # staging is this graph's first node: a row that stages the views onto themselves
                 self._stager.self_copy(entry.key)
@@ -323,8 +332,13 @@ class GraphPool:
             self._busy.release()
 
     def can_run(self, mode: str, real_bs: int) -> bool:
-        """Whether a captured graph serves ``real_bs`` sequences of ``mode`` (``False`` before a capture)."""
-        return bool(self._router.plans) and self.route(mode, real_bs) is not None
+        """Whether a captured graph serves ``real_bs`` sequences of ``mode`` (``False`` before a capture).
+
+        Raises:
+            UnknownModeError: ``mode`` is not one of the pool's modes (before a capture too).
+        """
+        route = self.route(mode, real_bs)
+        return bool(self._router.plans) and route is not None
 
     def route(self, mode: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""

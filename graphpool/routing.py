@@ -55,9 +55,12 @@ class Router:
                 f"mode {mode.name!r}: batch size {real_bs} is larger than the largest captured size {largest}; "
                 f"capture larger sizes (Mode({mode.name!r}, ..., batch_sizes=[..., {real_bs}])) or build the "
                 f"pool with on_miss='eager'")
-        self.stats.misses[f"{mode.name}: bs > {largest}"] += 1
         batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, dict(inputs), captured=False)
         return Step(mode, real_bs, batch, None)
+
+    def count_miss(self, mode: Mode) -> None:
+        """Count one eager step of ``mode`` (when it runs: a staged miss never replayed is not counted)."""
+        self.stats.misses[f"{mode.name}: bs > {self.keys.max_bs[mode.name]}"] += 1
 
     def route(self, mode: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""

@@ -51,8 +51,12 @@ class TorchStager:
         from graphpool.kernels.stage import stage_reference
 
         views = self._buffers.views[key]
-        for spec, src in zip(self._buffers.specs, inputs):
-            stage_reference(views[spec.name], src, self._buffers.fill_rows[spec.name])
+        # Raw copies, as the ring's kernel makes: an input that requires grad must not pull the static buffer
+        # into its autograd graph (the buffer would carry a grad_fn, and a longer chain every step), and
+        # buffers made under inference_mode stay writable from outside it.
+        with torch.inference_mode():
+            for spec, src in zip(self._buffers.specs, inputs):
+                stage_reference(views[spec.name], src, self._buffers.fill_rows[spec.name])
 
     def launch(self, key: GraphKey) -> None:
         pass

@@ -25,6 +25,7 @@ RESERVED = ("mode", "copy")
 RULES = (
     ("declared", MissingInputError),   # every declared input passed, nothing else
     ("tensor", InputTypeError),        # a torch.Tensor
+    ("dense", InputLayoutError),       # strided: not sparse, not nested (staging copies flat rows)
     ("dtype", InputDtypeError),        # the declared dtype
     ("device", InputDeviceError),      # the pool's device
     ("trailing", InputShapeError),     # rows x the declared trailing shape
@@ -89,7 +90,7 @@ class InputRules:
                 if (t.dtype is not dtype or t.shape != shape or t.get_device() != index or (cpu and not t.is_cpu)
                         or not t.is_contiguous() or t.is_conj() or t.is_neg()):
                     self.explain(mode, inputs)
-            except AttributeError:
+            except (AttributeError, RuntimeError):  # not a tensor; a nested tensor has no shape
                 self.explain(mode, inputs)
         return real_bs, ordered
 
@@ -119,6 +120,10 @@ class InputRules:
         name = spec.name
         if rule == "tensor" and not isinstance(t, torch.Tensor):
             return f"input {name!r} must be a torch.Tensor, got {type(t).__name__}"
+        if rule == "dense" and (t.layout is not torch.strided or t.is_nested):
+            kind = "nested" if t.is_nested else f"{t.layout} (sparse)"
+            return (f"input {name!r} is a {kind} tensor; the pool stages dense rows: pass a strided tensor "
+                    f"({name}.to_dense() for a sparse one)")
         if rule == "dtype" and t.dtype is not spec.dtype:
             return f"input {name!r} has dtype {t.dtype}, declared {spec.dtype}; convert it with .to({spec.dtype})"
         if rule == "device" and (t.get_device() != self.device_index or (self._cpu and not t.is_cpu)):
@@ -160,7 +165,7 @@ class InputRules:
         for i, spec in self.bounded:
             low, high = spec.bounds
             t = ordered[i]
-            bad = (t < low) | (t >= high)
+            bad = ~((t >= low) & (t < high))  # NaN fails both comparisons: out of bounds
             if bool(bad.any()):
                 row = int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0, 0])
                 raise IndexBoundsError(

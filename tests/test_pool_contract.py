@@ -445,3 +445,144 @@ def test_close_frees_the_graphs_and_capture_works_again(device):
         pool.run("decode", **random_step(MODES[0], 2, device, random.Random(11)))
     pool.capture(toy, progress=False)
     assert_step_exact(pool, toy, device, "verify", 3, random.Random(12), "after close and capture")
+
+
+# 11. A second review (each fails without its fix) ---------------------------------------------------------
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+def test_an_input_that_requires_grad_leaves_the_static_buffers_plain(setup):
+    """Staging copies raw rows (the CUDA ring copies memory): a draft's hidden states made outside no_grad
+    must not pull the static buffers into autograd, nor grow a graph step after step."""
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(20)
+    for _ in range(3):
+        inputs = random_step(MODES[1], 3, device, rng)
+        inputs["features"] = (inputs["features"].requires_grad_() * 1)  # a non-leaf with a grad_fn
+        got = pool.run("verify", copy=True, **inputs)
+        want = eager_reference(toy, MODES[1], {**inputs, "features": inputs["features"].detach()})
+        torch.testing.assert_close(got["pooled"], want["pooled"], rtol=1e-5, atol=1e-5)
+    for view in pool.static_inputs.values():
+        assert not view.requires_grad and view.grad_fn is None
+
+
+def test_a_pool_built_under_inference_mode_stages_outside_it():
+    """Its static buffers are inference tensors; staging writes them as raw rows, from anywhere."""
+    with torch.inference_mode():
+        pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
+    toy = ToyStep("cpu")
+    pool.capture(toy, progress=False)
+    assert_step_exact(pool, toy, "cpu", "verify", 3, random.Random(21))
+
+
+def test_a_miss_counts_when_it_runs_not_when_it_is_staged():
+    pool, _ = pool_for("cpu")
+    big = random_step(MODES[0], SIZES[-1] + 3, "cpu", random.Random(22))
+    pool.stage("decode", **big)
+    step = pool.stage("decode", **big)
+    assert sum(pool.stats.misses.values()) == 0, "staged, not run"
+    pool.replay(step)
+    assert pool.stats.misses == {f"decode: bs > {SIZES[-1]}": 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_handle_refuses_to_replay_once_its_graph_is_freed(device):
+    pool, toy = pool_for(device)
+    old = pool.graph("decode", 2)
+    pool.close()
+    with pytest.raises(gp.NotCapturedError, match="pool.graph"):
+        old.replay()
+    pool.capture(toy, progress=False)
+    with pytest.raises(gp.NotCapturedError):
+        old.replay()  # a new capture made new graphs: the old handle's is gone
+    pool.graph("decode", 2).replay()
+    assert_step_exact(pool, toy, device, "decode", 2, random.Random(23), "after the refused replay")
+
+
+def test_an_unknown_mode_raises_from_can_run_before_and_after_capture():
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
+    with pytest.raises(gp.UnknownModeError):
+        pool.can_run("decod", 1)
+    pool.capture(ToyStep("cpu"), progress=False)
+    with pytest.raises(gp.UnknownModeError):
+        pool.can_run("decod", 1)
+
+
+def test_close_after_a_failed_capture_says_not_captured():
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
+
+    def broken(batch):
+        raise RuntimeError("broken step")
+
+    with pytest.raises(gp.CaptureError):
+        pool.capture(broken, progress=False)
+    pool.close()
+    with pytest.raises(gp.NotCapturedError, match="no graphs yet"):
+        pool.run("decode", **random_step(MODES[0], 1, "cpu", random.Random(24)))
+
+
+@pytest.mark.parametrize("sizes", [[1.5, 2.7], ["4"], [2, True]])
+def test_batch_sizes_must_be_integers(sizes):
+    with pytest.raises(ValueError, match="ints >= 1"):
+        gp.GraphPool(MODES, make_inputs(), sizes, device="cpu")
+    with pytest.raises(ValueError, match="ints >= 1"):
+        gp.Mode("decode", 1, batch_sizes=sizes)
+
+
+@pytest.mark.parametrize("tokens", [True, 2.0, "2"])
+def test_tokens_per_seq_must_be_an_integer(tokens):
+    with pytest.raises(ValueError, match="tokens_per_seq must be an int"):
+        gp.Mode("verify", tokens)
+
+
+@pytest.mark.parametrize("dtype, fill", [(torch.int64, 2**70), (torch.float32, 10**400), (torch.int8, 300)],
+                         ids=["int64-2**70", "float32-10**400", "int8-300"])
+def test_an_unrepresentable_fill_names_the_input(dtype, fill):
+    with pytest.raises(ValueError, match=r"StepInput 'x': fill .* is not representable in"):
+        gp.StepInput("x", dtype, fill=fill)
+
+
+def test_a_bool_input_takes_a_bool_fill():
+    assert gp.StepInput("mask", torch.bool, fill=True).fill is True
+    with pytest.raises(TypeError, match="a bool only for a bool input"):
+        gp.StepInput("ids", torch.int64, fill=True)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("false", False),
+                                       ("no", False), ("off", False), ("", False)])
+def test_graphpool_debug_reads_off_values_as_off(monkeypatch, value, on):
+    monkeypatch.setenv("GRAPHPOOL_DEBUG", value)
+    assert gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu").debug is on
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("make", [lambda t: t.to_sparse(), lambda t: torch.nested.nested_tensor(list(t))],
+                         ids=["sparse", "nested"])
+def test_sparse_and_nested_inputs_are_refused_as_layout_errors(make):
+    pool, toy = pool_for("cpu")
+    inputs = random_step(MODES[0], 2, "cpu", random.Random(25))
+    inputs["features"] = make(inputs["features"])
+    with pytest.raises(gp.InputLayoutError, match="'features' is a .*(sparse|nested)"):
+        pool.run("decode", **inputs)
+    assert_step_exact(pool, toy, "cpu", "decode", 2, random.Random(26), "after the refusal")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_whose_outputs_change_shape_is_refused(device):
+    """A graph's outputs have fixed shapes; the twin says so at the replay where they change (on CUDA the
+    capture fixes them: the replay just rewrites the same memory)."""
+    captured = {"done": False}
+
+    def step(batch):
+        ids = batch.inputs["input_ids"]
+        return ids[:1] * 1 if captured["done"] else ids * 1  # one row fewer once the capture is done
+
+    pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("input_ids", torch.int64)], [1, 2, 4, 8],
+                        device=device)
+    pool.capture(step, progress=False)
+    captured["done"] = True
+    run = lambda: pool.run("decode", input_ids=torch.arange(4, device=device))  # noqa: E731
+    if device == "cpu":
+        with pytest.raises(gp.StepOutputError, match="outputs changed between its capture and a replay"):
+            run()
+    else:
+        assert run().shape == (4,)  # the graph replays what it captured, whatever Python would do now

@@ -42,6 +42,7 @@ struct InputChecker {
       PyObject* obj = PyDict_GetItem(inputs.ptr(), names[i].ptr());
       if (obj == nullptr || !THPVariable_Check(obj)) return -(i + 1);
       const at::Tensor& t = THPVariable_Unpack(obj);
+      if (t.layout() != c10::kStrided || t.is_nested()) return -(i + 1);  // sparse or nested: no flat rows
       const auto sizes = t.sizes();
       if (sizes.size() != trailing[i].size() + 1) return -(i + 1);
       if (real_bs < 0) {

@@ -12,6 +12,7 @@ with SGLang's graph hooks, an int32 ``req_to_token`` table). Importing this modu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -468,9 +469,10 @@ def verify_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], drafts
     mr.req_to_token_pool.write((idx[:, None].expand(n, t), pos), slots.view(n, t).to(torch.int32))
     last = torch.tensor([reqs.tokens[r][-1] for r in rows], dtype=torch.int64, device=dev)
     input_ids = torch.cat([last[:, None], drafts.to(dev)], 1).reshape(-1)
-    spec = EagleVerifyInput(
+    prefix = "retrieve" if "retrieve_index" in {f.name for f in dataclasses.fields(EagleVerifyInput)} else "retrive"
+    spec = EagleVerifyInput(  # the tree's index fields: "retrive_*" up to SGLang 0.5.10
         draft_token=input_ids, custom_mask=chain_custom_mask(lens, t), positions=pos.reshape(-1),
-        retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
+        **{f"{prefix}_{part}": None for part in ("index", "next_token", "next_sibling", "cum_len")},
         spec_steps=t - 1, topk=1, draft_token_num=t, capture_hidden_mode=CaptureHiddenMode.FULL,
         seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens.cpu())
     return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=n, input_ids=input_ids,

@@ -18,6 +18,11 @@ from sglang.srt.model_executor import cuda_graph_runner, model_runner
 from graphpool.integrations import sglang as gp_sglang
 from graphpool.integrations.sglang.launch import GraphpoolOptions, SchedulerEntry, check_server_args, split_args
 from graphpool.integrations.sglang.patch import build_graph_runner
+from graphpool.integrations.sglang.spec_switch import switch_support_problem
+
+# The classic switch's plain step follows SGLang 0.5.12's EAGLE v1 worker; on other classic releases it refuses.
+needs_switch = pytest.mark.skipif(switch_support_problem() is not None,
+                                  reason="the speculation switch refuses this SGLang (tested below)")
 
 
 def test_install_swaps_the_runner_model_runner_builds_and_uninstall_restores():
@@ -45,6 +50,7 @@ def test_unsupported_setups_get_sglangs_runner(monkeypatch):
     assert build_graph_runner(mr, attn_backend=None) == "sglang" and built == [(mr, {"attn_backend": None})]
 
 
+@needs_switch
 def test_launcher_splits_its_arguments_from_sglangs():
     options, rest = split_args(["--model-path", "m", "--graphpool-spec-off-above", "16",
                                 "--graphpool-spec-on-at-or-below", "8", "--speculative-algorithm", "EAGLE"])
@@ -88,6 +94,7 @@ def report_patch(queue) -> None:
 
 
 @pytest.mark.slow
+@needs_switch
 def test_scheduler_entry_installs_graphpool_inside_a_spawned_process():
     entry = SchedulerEntry(GraphpoolOptions(16, 8), target=f"{__name__}:report_patch")
     assert pickle.loads(pickle.dumps(entry)) == entry
@@ -104,6 +111,7 @@ def test_scheduler_entry_installs_graphpool_inside_a_spawned_process():
     assert off_above == 16, "the EAGLE v1 speculation switch is installed in the scheduler process"
 
 
+@needs_switch
 def test_keep_sglang_runner_installs_the_switch_only():
     """The test-only launcher option: the switch over SGLang's own runner (the crash reproduction)."""
     from sglang.srt.managers.scheduler import Scheduler
@@ -123,3 +131,18 @@ def test_keep_sglang_runner_installs_the_switch_only():
         uninstall_speculation_switch()
     assert EAGLEWorker.forward_batch_generation is original_forward
     assert Scheduler.process_batch_result_decode is original_process
+
+
+@pytest.mark.skipif(switch_support_problem() is None, reason="this SGLang's EAGLE v1 worker is the switch's own")
+def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for():
+    """SGLang 0.5.9 to 0.5.11: the runner serves them, the switch says which SGLang it needs, at the
+    launcher's check and at install, before anything is patched."""
+    from graphpool.integrations.sglang.spec_switch import install_speculation_switch
+
+    server_args = type("Args", (), {"speculative_algorithm": "EAGLE3", "disable_overlap_schedule": True})()
+    with pytest.raises(SystemExit, match=r"runs on SGLang 0\.5\.12"):
+        check_server_args(GraphpoolOptions(spec_off_above=16), server_args)
+    with pytest.raises(RuntimeError, match=r"runs on SGLang 0\.5\.12"):
+        install_speculation_switch(16)
+    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+    assert not hasattr(EAGLEWorker.forward_batch_generation, "graphpool_switch")

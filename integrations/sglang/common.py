@@ -44,6 +44,12 @@ def forward_mode_of(batch: StepBatch) -> ForwardMode:
     return ForwardMode[batch.mode.name.upper()]
 
 
+def is_speculative(spec: Any) -> bool:
+    """Whether ``spec`` (a ``SpeculativeAlgorithm``) speculates. ``is_speculative()`` appeared in 0.5.11;
+    ``not is_none()`` says the same on every version."""
+    return not spec.is_none()
+
+
 def tokens_per_mode(speculative: bool, num_draft_tokens: int) -> Dict[ForwardMode, int]:
     """Tokens per sequence of each captured mode: DECODE always, TARGET_VERIFY with speculation."""
     modes = {ForwardMode.DECODE: 1}
@@ -70,9 +76,9 @@ def initial_hidden_modes(spec: Any, server_mode: CaptureHiddenMode) -> Dict[Forw
     plain-decode step produced: both modes capture FULL for EAGLE. ``server_mode`` is what the server
     returns to users (``--enable-return-hidden-states``).
     """
-    eagle = spec.is_speculative() and not spec.is_standalone()
+    eagle = is_speculative(spec) and not spec.is_standalone()
     mode = max(CaptureHiddenMode.FULL if eagle else CaptureHiddenMode.NULL, server_mode)
-    return {m: mode for m in tokens_per_mode(spec.is_speculative(), 1)}
+    return {m: mode for m in tokens_per_mode(is_speculative(spec), 1)}
 
 
 def requested_hidden_mode(forward_batch: Any) -> CaptureHiddenMode:
@@ -165,9 +171,12 @@ def verify_capture_input(model_runner: Any, custom_mask: torch.Tensor, *, num_st
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
     spec = model_runner.spec_algorithm
+    # The tree's index fields are spelt "retrive_*" up to 0.5.10, "retrieve_*" from 0.5.11.
+    names = {f.name for f in dataclasses.fields(EagleVerifyInput)}
+    prefix = "retrieve" if "retrieve_index" in names else "retrive"
+    tree = {f"{prefix}_{part}": None for part in ("index", "next_token", "next_sibling", "cum_len")}
     return EagleVerifyInput(
-        draft_token=None, custom_mask=custom_mask, positions=None, retrieve_index=None, retrieve_next_token=None,
-        retrieve_next_sibling=None, retrieve_cum_len=None, spec_steps=num_steps, topk=topk,
+        draft_token=None, custom_mask=custom_mask, positions=None, **tree, spec_steps=num_steps, topk=topk,
         draft_token_num=num_draft_tokens,
         capture_hidden_mode=CaptureHiddenMode.NULL if spec.is_standalone() else CaptureHiddenMode.FULL,
         seq_lens_sum=None, seq_lens_cpu=None)

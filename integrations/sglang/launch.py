@@ -136,11 +136,18 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
                          "without the overlap scheduler; add --disable-overlap-schedule")
+    from .spec_switch import switch_support_problem
+
+    problem = switch_support_problem()
+    if problem:
+        raise SystemExit(problem)
 
 
 def sglang_missing_message(exc: ImportError) -> str:
     """One line saying what to install, for an SGLang server that does not import."""
     install = "pip install sglang==0.5.12.post1 (the full install, with its CUDA dependencies, on a CUDA machine)"
+    if "is not supported" in str(exc):  # an SGLang between the runner APIs: versions says which are supported
+        return f"graphpool's SGLang launcher: {exc}"
     if (exc.name or "").split(".")[0] == "sglang":  # SGLang itself (or a part of it) is not there
         return f"graphpool's SGLang launcher needs SGLang: {install}"
     return (f"SGLang is installed but its server does not import ({type(exc).__name__}: {exc}); it needs "
@@ -152,17 +159,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         from sglang.srt.entrypoints.http_server import launch_server
-        from sglang.srt.plugins import load_plugins
         from sglang.srt.server_args import prepare_server_args
         from sglang.srt.utils import kill_process_tree
+
+        from . import versions
+
+        versions.runner_api()  # an SGLang between the APIs (0.5.13.x) is refused here, before anything starts
     except ImportError as exc:
         print(sglang_missing_message(exc), file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        from sglang.srt.plugins import load_plugins  # SGLang 0.5.11+
+    except ImportError:
+        load_plugins = None
     if "-h" in argv or "--help" in argv:
         print(HELP)  # graphpool's options first; SGLang's parser prints its own below and exits
     options, rest = split_args(argv)
 
-    load_plugins()
+    if load_plugins is not None:
+        load_plugins()
     server_args = prepare_server_args(rest)
     check_server_args(options, server_args)
     if getattr(server_args, "speculative_adaptive", False):  # runner API: its step 0 on DECODE graphs

@@ -57,12 +57,17 @@ def install() -> None:
         except ImportError as exc:  # e.g. the EAGLE workers without sgl_kernel: nothing there to build
             if name == PATCHED_MODULES[0]:
                 raise ImportError(f"graphpool.install(): cannot import {name} ({exc}); install SGLang "
-                                  f"(tested: sglang==0.5.12.post1)") from exc
+                                  f"({versions.SUPPORTED[versions.CLASSIC]})") from exc
             log.debug("graphpool: %s not importable (%s); not patched", name, exc)
             continue
         if not hasattr(module, "CudaGraphRunner"):
-            raise RuntimeError(f"graphpool.install(): {name} has no CudaGraphRunner; this SGLang version "
-                               f"does not use the classic runner API (supported: 0.5.9 to 0.5.12.post1)")
+            if name == PATCHED_MODULES[0]:
+                raise RuntimeError(f"graphpool.install(): {name} has no CudaGraphRunner; SGLang "
+                                   f"{versions.sglang_version()} does not use the classic runner API "
+                                   f"({versions.SUPPORTED[versions.CLASSIC]})")
+            # The EAGLE workers build extra target runners (adaptive speculation) only in some versions.
+            log.debug("graphpool: %s builds no CudaGraphRunner in this SGLang; not patched", name)
+            continue
         _originals[name] = module.CudaGraphRunner
         module.CudaGraphRunner = build_graph_runner
     log.info("graphpool: SGLang target graph runner replaced in %s", sorted(_originals))

@@ -81,7 +81,7 @@ class MultiModeCudaGraphRunner:
         self.is_encoder_decoder = False
 
         spec = model_runner.spec_algorithm
-        self.speculative = spec.is_speculative()
+        self.speculative = common.is_speculative(spec)
         # The "primary" mode is SGLang's single capture mode; DECODE is always captured besides it.
         self.capture_forward_mode = ForwardMode.TARGET_VERIFY if self.speculative else ForwardMode.DECODE
         self.num_tokens_per_bs = self.speculative_num_draft_tokens if self.speculative else 1
@@ -164,7 +164,9 @@ class MultiModeCudaGraphRunner:
         forward_mode = ForwardMode[batch.mode.name.upper()]
         graph_id = (forward_mode, batch.bs)
         if graph_id in self._capture_batches:
-            self.attn_backend.on_after_cuda_graph_warmup()
+            after_warmup = getattr(self.attn_backend, "on_after_cuda_graph_warmup", None)  # SGLang 0.5.12+
+            if after_warmup is not None:
+                after_warmup()
             return
         fb = self._capture_batch(forward_mode, batch)
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
@@ -230,7 +232,7 @@ class MultiModeCudaGraphRunner:
             return f"{name} bs {bs} > {self.max_bs}"
         if self.disable_padding and padded != bs:
             return f"{name} bs {bs} not captured (padding disabled)"
-        if forward_batch.replace_embeds is not None:
+        if getattr(forward_batch, "replace_embeds", None) is not None:  # a ForwardBatch field from 0.5.11
             return "replace_embeds"
         # The check SGLang lacks: a step carries exactly bs x tokens_per_seq tokens of its own mode.
         if forward_batch.input_ids.shape[0] != bs * self.pool.modes[name].tokens_per_seq:

@@ -88,7 +88,7 @@ class MultiModeDecodeRunner:
         settings = spec_settings(model_runner, speculative_num_steps, speculative_num_draft_tokens)
         self.speculative_num_steps, self.speculative_num_draft_tokens = settings.num_steps, settings.num_draft_tokens
         self.topk = settings.topk
-        self.speculative = spec.is_speculative()
+        self.speculative = common.is_speculative(spec)
         self.disable_padding = disable_padding(model_runner)
         self.is_encoder_decoder = False
         self.enable_torch_compile = False

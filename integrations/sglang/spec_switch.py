@@ -134,6 +134,9 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
     states kept per request, and caught up; a longer plain phase leaves the draft's older KV stale.
     ``min_accept``: see :class:`SpeculationSwitch` (read from each verify step's ``num_correct_drafts``).
     """
+    problem = switch_support_problem()
+    if problem:
+        raise RuntimeError(problem)
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
@@ -175,6 +178,26 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
              switch.policy.on_at_or_below, f", and while verify steps commit < {min_accept} tokens per sequence"
              if min_accept is not None else "")
     return switch
+
+
+def switch_support_problem() -> Optional[str]:
+    """Why this SGLang's EAGLE v1 worker is not the one the plain step was written against (``None``: it is).
+
+    The plain step does spec-v1 verify's bookkeeping itself, field by field, as SGLang 0.5.12 names and
+    splits it; earlier classic releases name the draft's next input ``verified_id`` (not ``bonus_tokens``)
+    and report accepted drafts under other names, so the switch refuses them rather than guess.
+    """
+    import dataclasses
+
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    from . import versions
+
+    if "bonus_tokens" not in {f.name for f in dataclasses.fields(EagleDraftInput)}:
+        return (f"graphpool's speculation switch (classic API) runs on SGLang 0.5.12.x, whose EAGLE v1 worker its "
+                f"plain step follows; SGLang {versions.sglang_version()} names the draft's state differently. Its "
+                f"runner still serves this SGLang: drop --graphpool-spec-off-above, or use SGLang 0.5.12.post1")
+    return None
 
 
 def _correct_drafts(result: Any) -> Optional[int]:

@@ -46,7 +46,7 @@ def unsupported_reasons(model_runner: Any) -> List[str]:
     if callable(enable_mamba) and enable_mamba():
         reasons.append("mamba state tracking")
     spec = model_runner.spec_algorithm
-    if spec.is_speculative() and not (spec.is_eagle() or spec.is_standalone()):
+    if not spec.is_none() and not (spec.is_eagle() or spec.is_standalone()):  # is_speculative() is 0.5.11+
         reasons.append(f"speculative algorithm {spec.name}")
     return reasons
 

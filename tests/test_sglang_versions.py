@@ -1,0 +1,67 @@
+"""Which SGLang runner API graphpool detects, on fake SGLang layouts (no SGLang needed).
+
+Each layout is a package tree of empty modules in a folder put first on ``sys.path`` of a fresh
+interpreter, with a ``.dist-info`` giving its version, as pip installs one.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CLASSIC = ["srt/model_executor/cuda_graph_runner.py", "srt/speculative/eagle_worker.py"]
+RUNNER = ["srt/model_executor/runner/decode_cuda_graph_runner.py"]
+BETWEEN = ["srt/model_executor/cuda_graph_runner.py", "srt/speculative/eagle_worker_v2.py"]  # 0.5.13.x
+
+
+def _fake_sglang(root: Path, version: str, modules: list[str], srt_init: str = "") -> None:
+    (root / f"sglang-{version}.dist-info").mkdir(parents=True)
+    (root / f"sglang-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    (root / "sglang").mkdir()
+    (root / "sglang" / "__init__.py").write_text("")
+    for module in modules:
+        path = root / "sglang" / module
+        for parent in reversed(path.relative_to(root).parents[:-1]):
+            (root / parent).mkdir(exist_ok=True)
+            init = root / parent / "__init__.py"
+            if not init.exists():
+                init.write_text(srt_init if parent == Path("sglang/srt") else "")
+        path.write_text("")
+
+
+def _runner_api(root: Path) -> subprocess.CompletedProcess:
+    code = "from graphpool.integrations.sglang import versions; print('API', versions.runner_api())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": f"{root}:{ROOT}", "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("version, modules, api", [("0.5.9", CLASSIC, "classic"), ("0.5.12.post1", CLASSIC, "classic"),
+                                                   ("0.5.14", RUNNER, "runner"), ("0.5.23", RUNNER + CLASSIC, "runner")])
+def test_each_generation_is_told_by_its_modules(tmp_path, version, modules, api):
+    _fake_sglang(tmp_path, version, modules)
+    done = _runner_api(tmp_path)
+    assert done.stdout.strip() == f"API {api}", done.stderr
+
+
+def test_an_sglang_between_the_apis_is_refused_by_name(tmp_path):
+    _fake_sglang(tmp_path, "0.5.13.post1", BETWEEN)
+    done = _runner_api(tmp_path)
+    assert done.returncode != 0
+    assert "ImportError: SGLang 0.5.13.post1 is not supported" in done.stderr and "0.5.14" in done.stderr
+
+
+def test_a_missing_dependency_is_named_not_taken_for_a_missing_api(tmp_path):
+    _fake_sglang(tmp_path, "0.5.18", RUNNER, srt_init="import xgrammar_not_installed\n")
+    done = _runner_api(tmp_path)
+    assert "SGLang 0.5.18 is installed but does not import (No module named 'xgrammar_not_installed')" in done.stderr, \
+        done.stderr
+
+
+def test_an_sglang_with_neither_api_says_which_are_supported(tmp_path):
+    _fake_sglang(tmp_path, "0.4.0", ["srt/managers/scheduler.py"])
+    done = _runner_api(tmp_path)
+    assert "SGLang 0.4.0 has neither the classic CudaGraphRunner nor the runner package" in done.stderr, done.stderr

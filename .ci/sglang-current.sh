@@ -24,7 +24,8 @@ python -c "import sglang, torch; print('second environment: sglang', sglang.__ve
 
 set +e
 python -m pytest -q -ra tests/test_sglang_runner_api.py tests/test_sglang_runner_api_contract.py tests/test_sglang_spec_switch_v2.py \
-    tests/test_sglang_draft_lag.py tests/test_sglang_runner.py tests/test_sglang_spec_switch.py tests/test_sglang_launch.py
+    tests/test_sglang_draft_lag.py tests/test_sglang_runner.py tests/test_sglang_spec_switch.py tests/test_sglang_launch.py \
+    tests/test_sglang_refusals.py
 rc=$?
 set -e
 [ "$rc" -eq 5 ] && { echo "pytest collected no tests in the SGLang 0.5.23 environment"; exit 1; }

@@ -2,9 +2,10 @@
 switch (plain-decode steps on DECODE graphs above a batch-size threshold).
 
 Import name ``graphpool.integrations.sglang``. Two SGLang API generations are served (see
-:mod:`.versions`): the classic ``CudaGraphRunner`` (0.5.9 to 0.5.13.post1; :class:`MultiModeCudaGraphRunner`)
+:mod:`.versions`): the classic ``CudaGraphRunner`` (0.5.9 to 0.5.12.post1; :class:`MultiModeCudaGraphRunner`)
 and the runner package (0.5.14 to 0.5.23; :class:`MultiModeDecodeRunner`). :func:`install` picks the one of
-the installed SGLang. See README.md beside this file for running a server with it.
+the installed SGLang, and so do the speculation switch's names (:mod:`.spec_switch` for SGLang's EAGLE v1
+worker, :mod:`.spec_switch_v2` for its spec-v2 worker). See README.md beside this file for running a server.
 
 The names below load on first use, not when the package is imported: ``python -m
 graphpool.integrations.sglang.launch`` imports this package first, and without SGLang it must still get
@@ -16,13 +17,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# name -> (module, the SGLang API generation it needs: "classic", "runner" or None for either)
+#: The speculation switch's module for each SGLang API generation: EAGLE v1 (classic), spec v2 (runner).
+_SWITCH = {"classic": ".spec_switch", "runner": ".spec_switch_v2"}
+
+# name -> (module, or a module per API generation; the API generation it needs: "classic", "runner" or None)
 _WHERE = {
     "install": (".patch", None), "uninstall": (".patch", None), "installed": (".patch", None),
     "versions": (".versions", None), "MODE_NAMES": (".common", None),
     "MultiModeCudaGraphRunner": (".runner", "classic"), "MultiModeDecodeRunner": (".runner_api", "runner"),
-    "SpeculationSwitch": (".spec_switch", None), "install_speculation_switch": (".spec_switch", None),
-    "uninstall_speculation_switch": (".spec_switch", None), "plain_decode_batch": (".spec_switch", None),
+    "SpeculationSwitch": (_SWITCH, None), "install_speculation_switch": (_SWITCH, None),
+    "uninstall_speculation_switch": (_SWITCH, None), "plain_decode_batch": (_SWITCH, None),
     "capture_batch_sizes": (".support", None), "unsupported_reasons": (".support", None),
 }
 __all__ = list(_WHERE)
@@ -35,9 +39,11 @@ def __getattr__(name: str) -> Any:
     if name == "versions":
         value = importlib.import_module(module, __name__)
     else:
+        versions = importlib.import_module(".versions", __name__)
         if api is not None:
-            versions = importlib.import_module(".versions", __name__)
             versions.require(versions.CLASSIC if api == "classic" else versions.RUNNER)
+        if isinstance(module, dict):  # the installed SGLang's generation picks the module
+            module = module[versions.runner_api()]
         value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value

@@ -4,7 +4,8 @@ Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
 
 ``--graphpool-spec-off-above N``
     decode plainly (no speculation) once a decode batch has more than N sequences: SGLang's EAGLE v1
-    worker (classic API, ``--disable-overlap-schedule``) or its spec-v2 worker (0.5.14+, any topk).
+    worker (classic API, ``--disable-overlap-schedule``) or its spec-v2 worker (0.5.14+, any topk). The
+    plain steps need graphpool's runner, so setups it does not serve are refused here.
 ``--graphpool-spec-on-at-or-below M``
     speculate again once the batch is at or below M (default N; M < N gives hysteresis).
 ``--graphpool-spec-min-accept A``
@@ -25,6 +26,7 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -34,11 +36,18 @@ log = logging.getLogger(__name__)
 
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
 HELP = """graphpool's options (all other arguments go to SGLang's launch_server, listed below):
-  --graphpool-spec-off-above N       EAGLE v1: decode plainly once a decode batch has more than N sequences
+  --graphpool-spec-off-above N       decode plainly once a decode batch has more than N sequences (EAGLE,
+                                     EAGLE3, STANDALONE: SGLang 0.5.12's EAGLE v1 worker with
+                                     --disable-overlap-schedule, or 0.5.14+'s spec-v2 worker)
   --graphpool-spec-on-at-or-below M  speculate again at <= M sequences (default N; M < N: hysteresis)
-  --graphpool-spec-min-accept A      EAGLE v1: also decode plainly while verify steps commit < A tokens per
-                                     sequence (the draft's break-even); probes again after 256 decode steps
+  --graphpool-spec-min-accept A      SGLang 0.5.12 (EAGLE v1) only: also decode plainly while verify steps
+                                     commit < A tokens per sequence (the draft's break-even); probes again
+                                     after 256 decode steps
 """
+
+#: Why --graphpool-spec-min-accept is refused on the runner API (the launcher's check and apply() say it).
+MIN_ACCEPT_NEEDS_CLASSIC = ("--graphpool-spec-min-accept drives the classic API's EAGLE v1 switch; this SGLang has "
+                            "the runner API (0.5.14+), whose switch decides by batch size only")
 
 
 @dataclass(frozen=True)
@@ -57,15 +66,15 @@ class GraphpoolOptions:
         """Install the runner patch (and the speculation switch, if asked for) in this process."""
         from . import versions
 
+        runner_api = versions.runner_api() == versions.RUNNER
+        if runner_api and self.spec_min_accept is not None:  # refused before anything is patched
+            raise SystemExit(MIN_ACCEPT_NEEDS_CLASSIC)
         if not self.keep_sglang_runner:
             from .patch import install
 
             install()
         # --- runner API (SGLang 0.5.14+): the spec-v2 switch (issue 13) ---
-        if versions.runner_api() == versions.RUNNER:
-            if self.spec_min_accept is not None:
-                raise SystemExit("--graphpool-spec-min-accept drives the classic API's EAGLE v1 switch; this SGLang "
-                                 "has the runner API (0.5.14+), whose switch decides by batch size only")
+        if runner_api:
             if self.spec_off_above is not None or self.adaptive_step0:
                 from .spec_switch_v2 import install_speculation_switch as install_v2
 
@@ -111,9 +120,10 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     if off is not None and (off < 0 or (on is not None and not 0 <= on <= off)):
         raise SystemExit(f"need 0 <= --graphpool-spec-on-at-or-below <= --graphpool-spec-off-above, got "
                          f"on={on}, off={off}")
-    if accept is not None and (off is None or not accept > 1.0):
-        raise SystemExit(f"--graphpool-spec-min-accept needs --graphpool-spec-off-above and a value > 1 (tokens a "
-                         f"verify step commits per sequence, at least 1 always), got {accept}")
+    # nan fails any comparison; inf would pause speculation for good after every probe
+    if accept is not None and (off is None or not 1.0 < accept < math.inf):
+        raise SystemExit(f"--graphpool-spec-min-accept needs --graphpool-spec-off-above and a finite value > 1 "
+                         f"(tokens a verify step commits per sequence, at least 1 always), got {accept}")
     return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner, spec_min_accept=accept), rest
 
 
@@ -129,9 +139,20 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     if getattr(server_args, "enable_dp_attention", False):
         raise SystemExit("--graphpool-spec-off-above does not support DP attention (the plain step runs on one "
                          "attention group); drop --enable-dp-attention")
+    from .support import server_args_refusals
+
+    # Where graphpool's runner does not serve the server, install() gives it SGLang's, whose verify-only
+    # graphs crash on the first plain step: refuse here what the arguments alone tell.
+    refused = server_args_refusals(server_args)
+    if refused:
+        raise SystemExit(f"--graphpool-spec-off-above needs graphpool's runner for its plain decode steps, which "
+                         f"does not serve {', '.join(f'{flag} ({what})' for flag, what in refused)}; drop those or "
+                         f"--graphpool-spec-off-above")
     from . import versions
 
     if versions.runner_api() == versions.RUNNER:  # spec v2 runs with or without the overlap scheduler
+        if options.spec_min_accept is not None:
+            raise SystemExit(MIN_ACCEPT_NEEDS_CLASSIC)
         return
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
@@ -145,8 +166,13 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
 
 def sglang_missing_message(exc: ImportError) -> str:
     """One line saying what to install, for an SGLang server that does not import."""
-    install = "pip install sglang==0.5.12.post1 (the full install, with its CUDA dependencies, on a CUDA machine)"
-    if "is not supported" in str(exc):  # an SGLang between the runner APIs: versions says which are supported
+    from .versions import sglang_version
+
+    # The installed release when there is one (its dependencies are what is missing), else the one verified live.
+    version = sglang_version()
+    version = "0.5.12.post1" if version == "not installed" else version
+    install = f"pip install sglang=={version} (the full install, with its CUDA dependencies, on a CUDA machine)"
+    if "graphpool supports" in str(exc):  # an SGLang graphpool does not support: versions says which it does
         return f"graphpool's SGLang launcher: {exc}"
     if (exc.name or "").split(".")[0] == "sglang":  # SGLang itself (or a part of it) is not there
         return f"graphpool's SGLang launcher needs SGLang: {install}"

@@ -21,6 +21,7 @@ skip_attn_backend_init=True)``) keeps working.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
@@ -217,6 +218,11 @@ class MultiModeCudaGraphRunner:
             return False  # without speculation: SGLang never asks for those, but a caller may
         reason = self._refusal(name, forward_batch)
         if reason is not None:
+            # Spec v2 asks twice for one step (prepare_for_v2_verify, then _forward_raw): count a batch once.
+            last = getattr(self, "_last_refused", None)
+            if last is not None and last() is forward_batch:
+                return False
+            self._last_refused = weakref.ref(forward_batch)  # weak: a refused batch's tensors are not kept
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
             if self.refusals[reason] == 1:
                 log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
@@ -234,6 +240,8 @@ class MultiModeCudaGraphRunner:
             return f"{name} bs {bs} not captured (padding disabled)"
         if getattr(forward_batch, "replace_embeds", None) is not None:  # a ForwardBatch field from 0.5.11
             return "replace_embeds"
+        if forward_batch.input_ids is None:  # input_embeds only: the graphs read token ids
+            return f"{name} without input_ids"
         # The check SGLang lacks: a step carries exactly bs x tokens_per_seq tokens of its own mode.
         if forward_batch.input_ids.shape[0] != bs * self.pool.modes[name].tokens_per_seq:
             return f"{name} with {forward_batch.input_ids.shape[0]} tokens for bs {bs}"
@@ -259,10 +267,13 @@ class MultiModeCudaGraphRunner:
             self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
         # A DECODE step with a spec_info is a draft decode to FlashInfer/FA3: plain decode passes None.
         spec_info = forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None
+        # SGLang 0.5.12 hands the batch to backends that plan from it (DeepSeek-V4's) out of band, as here.
+        self.attn_backend._replay_forward_batch = forward_batch
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             bs, step.batch.inputs["req_pool_indices"], step.batch.inputs["seq_lens"],
             forward_batch.seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value, None, mode, spec_info,
             seq_lens_cpu=self.seq_lens_cpu[:bs])
+        self.attn_backend._replay_forward_batch = None
         self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
         self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
         return step

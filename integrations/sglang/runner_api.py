@@ -137,8 +137,10 @@ class MultiModeDecodeRunner:
 
     @classmethod
     def decode_graph_gather_requirements(cls, model_runner: Any) -> tuple:
-        """(mlp_tp_gather, attn_tp_gather) of SGLang's runner (0.5.2x asks the class): none, since DP
-        attention and gathered buffers are refused."""
+        """(mlp_tp_gather, attn_tp_gather) of SGLang's runner (0.5.2x asks the class): none, since this
+        runner is refused wherever SGLang's ``require_gathered_buffer()`` holds (DP attention, an MoE
+        all-to-all backend, ``--moe-dense-tp-size``: :func:`~.support.unsupported_reasons`). install()'s
+        factory answers this question with SGLang's class anyway, as it may build SGLang's runner."""
         return (False, False)
 
     def capture(self) -> None:

@@ -35,6 +35,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from .draft_lag import DEFAULT_MAX_LAG_STEPS, DraftLag
 from .eagle_v1_catch_up import eagle_v1_catch_up
 from .eagle_v1_plain import eagle_v1_plain_decode, process_plain_step_result
+from .support import plain_step_refusal
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,22 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
     original = _originals.get("forward") or EAGLEWorker.forward_batch_generation
     process_decode = _originals.get("process_decode") or Scheduler.process_batch_result_decode
 
+    warned = []  # the refusal below is logged once
+
     @functools.wraps(original)
     def forward_batch_generation(self: Any, batch: Any) -> Any:
         is_decode = batch.forward_mode.is_decode() and not batch.is_extend_in_batch
         if not is_decode:
             lag.forget(batch.reqs)  # prefilled (again, after a retraction): the draft prefill covers them
+            return original(self, batch)
+        from .runner import MultiModeCudaGraphRunner  # here: spec_switch_v2 imports this module (runner API)
+
+        target = getattr(getattr(self, "target_worker", None), "model_runner", None)
+        refusal = plain_step_refusal(getattr(target, "graph_runner", None), MultiModeCudaGraphRunner)
+        if refusal:  # SGLang's verify-only runner: keep speculating rather than crash on a plain step
+            if not warned:
+                warned.append(refusal)
+                log.warning("graphpool switch: %s", refusal)
             return original(self, batch)
         lag.retain(batch.reqs)  # requests that left the batch unfinished (retracted) are prefilled again
         switches = switch.switches

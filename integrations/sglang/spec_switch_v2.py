@@ -32,6 +32,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 
 from .draft_lag import DraftLag
 from .spec_switch import SpeculationSwitch
+from .support import plain_step_refusal
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +185,29 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
         i = position.get(name)
         return args[i] if i is not None and i < len(args) else None
 
+    warned = []  # the refusal below is logged once
+
+    def plain_steps_refused(worker: Any) -> bool:
+        """SGLang's own runner is the target's (install() refused the server): a plain step, or an adaptive
+        step 0 routed to one, would replay its verify graphs, so SGLang's path runs every step instead."""
+        from .runner_api import MultiModeDecodeRunner
+
+        target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
+        runner = getattr(target, "decode_cuda_graph_runner", None)
+        if runner is getattr(target, "eager_runner", None):  # --disable-cuda-graph: plain steps run eagerly
+            runner = None
+        refusal = plain_step_refusal(runner, MultiModeDecodeRunner)
+        if refusal and not warned:
+            warned.append(refusal)
+            log.warning("graphpool switch: %s", refusal)
+        return refusal is not None
+
     @functools.wraps(original)
     def forward_batch_generation(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         on_publish = argument("on_publish", args, kwargs)
         pp_proxy_tensors = argument("pp_proxy_tensors", args, kwargs)
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
-        if decode and pp_proxy_tensors is None and batch.spec_info is not None:
+        if decode and pp_proxy_tensors is None and batch.spec_info is not None and not plain_steps_refused(self):
             self.activate_step_by_batch(batch.seq_lens.shape[0])  # SGLang's adaptive step count, if on
             if not switch.speculate(batch.seq_lens.shape[0]) or self.speculative_num_steps == 0:
                 return eagle_v2_plain_decode(self, batch, lag, on_publish)

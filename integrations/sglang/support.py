@@ -8,7 +8,8 @@ servers to SGLang's own runner instead of replaying a graph that would read stal
 """
 from __future__ import annotations
 
-from typing import Any, List
+import inspect
+from typing import Any, List, Optional, Tuple
 
 # (server_args attribute, what it is): any of these switched on needs inputs the runner does not stage.
 _UNSUPPORTED_FLAGS = (
@@ -20,6 +21,44 @@ _UNSUPPORTED_FLAGS = (
     ("enable_profile_cuda_graph", "CUDA graph profiling"),
     ("debug_cuda_graph", "breakable CUDA graph debugging"),
 )
+#: Attention inputs padded and gathered across ranks: SGLang's runner stages them, graphpool's does not.
+_GATHERED = "gathered attention inputs (SGLang's require_gathered_buffer)"
+
+
+def server_args_refusals(server_args: Any) -> List[Tuple[str, str]]:
+    """What :func:`unsupported_reasons` refuses that the server arguments alone tell: (the launch flag as
+    given, what it is). The launcher refuses these before SGLang starts; the rest needs the loaded model."""
+    refused = [(f"--{flag.replace('_', '-')}", what) for flag, what in _UNSUPPORTED_FLAGS
+               if getattr(server_args, flag, False)]
+    pp_size = getattr(server_args, "pp_size", 1) or 1
+    if pp_size > 1:
+        refused.append((f"--pp-size {pp_size}", "pipeline parallelism"))
+    dllm = getattr(server_args, "dllm_algorithm", None)
+    if dllm:
+        refused.append((f"--dllm-algorithm {dllm}", "diffusion LLM decoding"))
+    # Gathered attention inputs without DP attention: SGLang's predicate reads MoE state that only the
+    # scheduler process sets up, so here the two flags it reads decide (unsupported_reasons asks SGLang).
+    a2a = str(getattr(server_args, "moe_a2a_backend", None) or "none")
+    dense_tp = getattr(server_args, "moe_dense_tp_size", None)
+    if not getattr(server_args, "disable_attn_tp_gather", False) and (a2a != "none" or dense_tp is not None):
+        flag = f"--moe-a2a-backend {a2a}" if a2a != "none" else f"--moe-dense-tp-size {dense_tp}"
+        refused.append((flag, _GATHERED))
+    return refused
+
+
+def sglang_requires_gathering(server_args: Any) -> bool:
+    """SGLang's own ``require_gathered_buffer``: whether its runner pads and gathers attention inputs across
+    ranks (DP attention, an MoE all-to-all backend, ``--moe-dense-tp-size``), which graphpool's runner does
+    not stage. It takes ``server_args`` in 0.5.9 to 0.5.18; 0.5.23 reads the published runtime context."""
+    try:
+        from sglang.srt.utils.common import require_gathered_buffer
+
+        takes_args = bool(inspect.signature(require_gathered_buffer).parameters)
+        return bool(require_gathered_buffer(server_args) if takes_args else require_gathered_buffer())
+    except (ImportError, AttributeError, ValueError, AssertionError, RuntimeError):
+        # Another layout, a stand-in without SGLang's settings (or one its asserts reject), or no published
+        # runtime context (0.5.23 raises RuntimeError): the flags SGLang's predicate reads decide.
+        return any(what == _GATHERED for _, what in server_args_refusals(server_args))
 
 
 def unsupported_reasons(model_runner: Any) -> List[str]:
@@ -28,11 +67,9 @@ def unsupported_reasons(model_runner: Any) -> List[str]:
     Reads only plain attributes, with defaults, so it also works on a test stand-in for ``ModelRunner``.
     """
     args = model_runner.server_args
-    reasons = [what for flag, what in _UNSUPPORTED_FLAGS if getattr(args, flag, False)]
-    if getattr(args, "pp_size", 1) > 1:
-        reasons.append("pipeline parallelism")
-    if getattr(args, "dllm_algorithm", None):
-        reasons.append("diffusion LLM decoding")
+    reasons = [what for _, what in server_args_refusals(args) if what != _GATHERED]
+    if sglang_requires_gathering(args):  # in the scheduler process SGLang's own predicate knows best
+        reasons.append(_GATHERED)
     config = model_runner.model_config
     if getattr(config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder model")
@@ -49,6 +86,25 @@ def unsupported_reasons(model_runner: Any) -> List[str]:
     if not spec.is_none() and not (spec.is_eagle() or spec.is_standalone()):  # is_speculative() is 0.5.11+
         reasons.append(f"speculative algorithm {spec.name}")
     return reasons
+
+
+def plain_step_refusal(runner: Any, ours: type) -> Optional[str]:
+    """Why the speculation switch must not run a plain step on the target's decode graph runner ``runner``
+    (``None``: it may), ``ours`` being graphpool's runner class of this SGLang API.
+
+    A plain DECODE step needs graphpool's runner. Where install() handed the server to SGLang's own (a setup
+    graphpool's runner does not serve; install() logged which), that runner holds TARGET_VERIFY graphs only
+    and would replay one for the plain step: the shape crash. No runner (``--disable-cuda-graph``) runs
+    plain steps eagerly; SGLang's runner without install() in effect is ``--graphpool-keep-sglang-runner``,
+    which exists to reproduce that crash, so it is let through.
+    """
+    from .patch import installed
+
+    if runner is None or isinstance(runner, ours) or not installed():
+        return None
+    return (f"the target model's graph runner is SGLang's own {type(runner).__name__} (graphpool's runner does not "
+            f"serve this server: see install()'s warning), which holds verify graphs only and would crash on a "
+            f"plain decode step; speculation stays on at every batch size")
 
 
 def capture_batch_sizes(model_runner: Any) -> List[int]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI, the classic API's range: graphpool's runner, install() and launcher against the real classes of each
+# CI, the classic API's range: graphpool's runner, install(), launcher and switch against the real classes of each
 # classic SGLang release besides CI's main one (0.5.12.post1), and the refusal of 0.5.13.x (between the APIs).
 #
 # Each release goes into a folder of its own (pip --target, without dependencies: the active environment,
@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANGE=.sgl-range
-TESTS="tests/test_sglang_runner.py tests/test_sglang_launch.py tests/test_sglang_launch_cli.py"
+# The speculation switch's tests too: its plain step follows each classic release's EAGLE v1 worker.
+TESTS="tests/test_sglang_runner.py tests/test_sglang_launch.py tests/test_sglang_launch_cli.py
+       tests/test_sglang_scheduler_switch.py tests/test_sglang_spec_switch.py tests/test_sglang_draft_lag.py
+       tests/test_sglang_refusals.py"
 rc=0
 for version in 0.5.9 0.5.10.post1 0.5.11 0.5.13.post1; do
     target="$RANGE/$version"

@@ -77,7 +77,8 @@ class SchedModelRunner(H.HarnessModelRunner):
 
     sample = ModelRunner.sample
     _preprocess_logits = ModelRunner._preprocess_logits
-    maybe_update_ngram_token_table = ModelRunner.maybe_update_ngram_token_table
+    if hasattr(ModelRunner, "maybe_update_ngram_token_table"):  # 0.5.10 on (TpModelWorker calls it)
+        maybe_update_ngram_token_table = ModelRunner.maybe_update_ngram_token_table
 
     def __init__(self, cfg: H.HarnessConfig, device: torch.device, speculative: bool, model_seed: int,
                  req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, args: Any):
@@ -167,10 +168,14 @@ def build_chain_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, 
     return torch.cat(masks), positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens
 
 
-def verify_chain_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
-                        retrieve_next_sibling, target_predict, topk=-1):
+def verify_chain_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index=None,
+                        retrieve_next_token=None, retrieve_next_sibling=None, target_predict=None, topk=-1, *,
+                        retrive_index=None, retrive_next_token=None, retrive_next_sibling=None):
     """``sgl_kernel.verify_tree_greedy`` for chains: accept drafts while they equal the target's greedy
-    token, record the accepted indices, and put the target's token after each accepted one."""
+    token, record the accepted indices, and put the target's token after each accepted one. (SGLang up to
+    0.5.10 passes the ``retrive_*`` keywords, later releases ``retrieve_*``.)"""
+    if retrieve_index is None:
+        retrieve_index, retrieve_next_token = retrive_index, retrive_next_token
     bs, t = candidates.shape
     for i in range(bs):
         last, accepted = int(retrieve_index[i, 0]), 0
@@ -226,8 +231,8 @@ def cpu_stand_ins():
             mock.patch.object(eagle_info, "verify_tree_greedy_func", verify_chain_greedy), \
             mock.patch.object(eagle_info, "assign_req_to_token_pool_func", assign_req_to_token_pool), \
             mock.patch.object(eagle_worker, "assign_draft_cache_locs", _AssignDraftCacheLocs()), \
-            mock.patch.object(forward_batch_info, "enable_num_token_non_padded", lambda: False), \
-            mock.patch.object(cuda_graph_runner, "enable_num_token_non_padded", lambda: False):
+            mock.patch.object(forward_batch_info, "enable_num_token_non_padded", lambda *a: False), \
+            mock.patch.object(cuda_graph_runner, "enable_num_token_non_padded", lambda *a: False):
         yield
 
 
@@ -285,6 +290,7 @@ def make_eagle_worker(target: SchedModelRunner, draft: SchedModelRunner, args: A
     worker.target_worker = TargetWorker(target)
     worker.speculative_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
     worker.adaptive_controller = None
+    worker.enable_nan_detection = args.enable_nan_detection  # read by the worker up to 0.5.9
     worker.req_to_token_pool = target.req_to_token_pool
     worker.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
     worker.hot_token_id = None
@@ -296,11 +302,24 @@ def make_eagle_worker(target: SchedModelRunner, draft: SchedModelRunner, args: A
     worker.cuda_graph_runner = worker.cuda_graph_runner_for_draft_extend = None
     worker.num_new_pages_per_topk = torch.empty((), dtype=torch.int64)
     worker.extend_lens = torch.empty((), dtype=torch.int64)
-    worker.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    # The draft model's config (SGLang up to 0.5.11 sizes the idle draft input from it; 0.5.12 from the runner's)
+    worker.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                                          hidden_size=draft.cfg.hidden, spec_hidden_size=draft.cfg.hidden,
+                                          dtype=draft.cfg.dtype)
     return worker
 
 
 # ----------------------------------------------------------------------------------- the scheduler
+def spec_accepted_tokens(scheduler: Scheduler) -> int:
+    """The tokens verify steps committed as SGLang's speculation metrics count them (all log intervals'
+    total plus the current one's): ``spec_*num_accept_tokens`` from 0.5.12, ``spec_*num_accepted_tokens``
+    in 0.5.9 to 0.5.11."""
+    for stem in ("accept_tokens", "accepted_tokens"):
+        if hasattr(scheduler, f"spec_num_{stem}"):
+            return getattr(scheduler, f"spec_total_num_{stem}") + getattr(scheduler, f"spec_num_{stem}")
+    raise AttributeError("SGLang's scheduler keeps no accepted-token counter graphpool's tests know")
+
+
 @dataclasses.dataclass
 class Sent:
     """What the scheduler streamed for a request (its ``stream_output``), checked by the tests."""
@@ -362,6 +381,10 @@ class SchedulerWorld:
         s.spec_algorithm, s.is_generation, s.enable_overlap, s.enable_overlap_mlx = (
             self.worker.speculative_algorithm, True, False, False)
         s.attn_tp_rank, s.tp_rank, s.dp_rank, s.device = 0, 0, None, str(self.device)
+        s.enable_kv_cache_events = False  # the constructor's, without --kv-events-config (read here up to 0.5.10)
+        # the constructor's too up to 0.5.9 (init_metrics sets them from 0.5.10)
+        s.enable_metrics = self.args.enable_metrics
+        s.enable_metrics_for_all_schedulers = self.args.enable_metrics_for_all_schedulers
         s.init_metrics(0, 0, None)
         s.disaggregation_mode = DisaggregationMode.NULL
         s.enable_hisparse, s.hisparse_coordinator, s.decode_offload_manager = False, None, None
@@ -375,13 +398,20 @@ class SchedulerWorld:
         s.enable_fpm, s.enable_pdmux, s.return_health_check_ipcs = False, False, None
         s.enable_mfu_metrics = False
         s.stream_output = self._stream_output
-        s.report_prefill_stats = lambda *a, **k: None
+        s.report_prefill_stats = s.log_prefill_stats = lambda *a, **k: None  # (log_prefill_stats up to 0.5.9)
         s.log_batch_result_stats = lambda *a, **k: None
         s.update_device_timer = lambda *a, **k: None
         s.maybe_send_health_check_signal = lambda *a, **k: None
         s._maybe_clear_mm_inputs = lambda *a, **k: None
         s._profile_batch_predicate = lambda *a, **k: None
         return s
+
+    def set_think_end_id(self, token: Optional[int]) -> None:
+        """The model's end-of-thinking token, where each release reads it: the model config (0.5.11 on,
+        spec-v1 verify counts reasoning tokens) or the scheduler (0.5.10.x, ``process_batch_result_decode``
+        counts them); 0.5.9 counts none."""
+        self.model_config.think_end_id = token
+        self.scheduler._think_end_id = token
 
     # ------------------------------------------------------------------------------- requests
     def add_request(self, rid: str, prompt: List[int], max_new_tokens: int, *, ignore_eos: bool = True,
@@ -394,7 +424,9 @@ class SchedulerWorld:
         params.normalize(None)
         req = Req(rid, "", list(prompt), params, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   eos_token_ids=eos_token_ids or {EOS}, vocab_size=self.cfg.vocab, require_reasoning=require_reasoning)
-        req.logprob_start_len = -1  # output logprobs only (the stand-in model computes no prompt logprobs)
+        # Output logprobs only (the stand-in model computes no prompt logprobs): logprobs from the end of the
+        # prompt (SGLang's -1 means that from 0.5.10; up to 0.5.9 it asks for the last prompt position's too).
+        req.logprob_start_len = len(prompt)
         req.grammar = grammar
         self.waiting.append(req)
         return req

@@ -20,7 +20,7 @@ from graphpool.integrations.sglang.launch import GraphpoolOptions, SchedulerEntr
 from graphpool.integrations.sglang.patch import build_graph_runner
 from graphpool.integrations.sglang.spec_switch import switch_support_problem
 
-# The classic switch's plain step follows SGLang 0.5.12's EAGLE v1 worker; on other classic releases it refuses.
+# The classic switch follows the EAGLE v1 worker of each classic release (0.5.9 to 0.5.12.x); it refuses others.
 needs_switch = pytest.mark.skipif(switch_support_problem() is not None,
                                   reason="the speculation switch refuses this SGLang (tested below)")
 
@@ -133,12 +133,21 @@ def test_keep_sglang_runner_installs_the_switch_only():
     assert Scheduler.process_batch_result_decode is original_process
 
 
-@pytest.mark.skipif(switch_support_problem() is None, reason="this SGLang's EAGLE v1 worker is the switch's own")
-def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for():
-    """SGLang 0.5.9 to 0.5.11: the runner serves them, the switch says which SGLang it needs, at the
-    launcher's check and at install, before anything is patched."""
+def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for(monkeypatch):
+    """A classic SGLang whose verify results carry names the plain step does not know (a release after
+    those verified, say): the switch says which releases it follows, at the launcher's check and at
+    install, before anything is patched. The release is this SGLang with its result's fields renamed."""
+    import dataclasses
+
+    from sglang.srt.managers import utils as sglang_utils
+
+    from graphpool.integrations.sglang import eagle_v1_plain
     from graphpool.integrations.sglang.spec_switch import install_speculation_switch
 
+    renamed = dataclasses.make_dataclass("GenerationBatchResult", [("logits_output", object, None),
+                                                                   ("accepted_in_some_later_release", int, 0)])
+    monkeypatch.setattr(sglang_utils, "GenerationBatchResult", renamed)
+    eagle_v1_plain.release.cache_clear()  # read the renamed class
     server_args = type("Args", (), {"speculative_algorithm": "EAGLE3", "disable_overlap_schedule": True})()
     with pytest.raises(SystemExit, match=r"runs on SGLang 0\.5\.12"):
         check_server_args(GraphpoolOptions(spec_off_above=16), server_args)
@@ -146,3 +155,6 @@ def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for():
         install_speculation_switch(16)
     from sglang.srt.speculative.eagle_worker import EAGLEWorker
     assert not hasattr(EAGLEWorker.forward_batch_generation, "graphpool_switch")
+    monkeypatch.undo()
+    eagle_v1_plain.release.cache_clear()  # this SGLang's own release again, for the tests after this one
+    assert switch_support_problem() is None

@@ -194,7 +194,7 @@ def run_scenario(caplog: Any, max_lag_steps: int, check_draft_kv: bool) -> None:
     logprobs = {1, 11}             # requests that return logprobs
     reasoning = {6}                # requests that count reasoning tokens up to think_end_id
     abort = 7                      # aborted (SGLang's abort of a running request) during a plain phase
-    world.model_config.think_end_id = ref[6][8]
+    world.set_think_end_id(ref[6][8])
     reqs = {}
 
     def first_index(i: int, k: int) -> int:
@@ -290,7 +290,7 @@ def run_scenario(caplog: Any, max_lag_steps: int, check_draft_kv: bool) -> None:
             torch.testing.assert_close(torch.tensor(sent.logprobs), torch.tensor(ref_logprobs[i][:len(out)]),
                                        atol=1e-9, rtol=0)
             assert len(req.output_top_logprobs_val) == len(out)
-        if i in reasoning:
+        if i in reasoning and hasattr(req, "update_reasoning_tokens"):  # SGLang 0.5.9 counts none
             assert req.reasoning_tokens == first_index(i, 8) + 1
     assert set(world.sent) == {r.rid for r in reqs.values()}
 
@@ -298,7 +298,7 @@ def run_scenario(caplog: Any, max_lag_steps: int, check_draft_kv: bool) -> None:
     # the tokens those verifies committed (every draft is accepted here: accept length up to 4).
     s = world.scheduler
     assert s.spec_total_num_forward_ct + s.spec_num_forward_ct == sum(spec_bs)
-    assert s.spec_total_num_accept_tokens + s.spec_num_accept_tokens == verified_tokens > 2 * sum(spec_bs)
+    assert S.spec_accepted_tokens(s) == verified_tokens > 2 * sum(spec_bs)
     assert sum(r.spec_verify_ct for r in reqs.values()) == sum(spec_bs)
     # Nothing leaked: every KV slot and request row is free again.
     assert world.target.token_to_kv_pool_allocator.available_size() == cfg.kv_slots - 1
@@ -361,10 +361,12 @@ def test_resume_on_a_mixed_batch_catches_up_the_lagging_rows_only(caplog):
 
 
 def test_acceptance_gate_pauses_speculation_below_break_even_and_probes_again(caplog):
-    """With a break-even above what verify steps commit (here every draft is accepted: draft_tokens per
-    sequence), the gate lets one window of verify steps measure, then decodes plainly for its pause,
-    then probes again, at batch sizes the size threshold would speculate at. The accepted counts come
-    from SGLang's own GenerationBatchResult. Outputs stay exact; with a break-even below, it never pauses."""
+    """With a break-even above what verify steps commit (at most draft_tokens per sequence; the stand-in
+    draft is the target's model, so nearly every draft is accepted), the gate lets one window of verify
+    steps measure, then decodes plainly for its pause, then probes again, at batch sizes the size
+    threshold would speculate at. The accepted counts come from SGLang's own GenerationBatchResult (each
+    release's field): the gate records exactly the tokens each verify step appended to the requests.
+    Outputs stay exact; with a break-even below, it never pauses."""
     caplog.set_level(logging.INFO, logger="graphpool")
     cfg = H.HarnessConfig(max_reqs=8, kv_slots=2000, batch_sizes=(1, 2, 4))
     g = torch.Generator().manual_seed(11)
@@ -378,21 +380,30 @@ def test_acceptance_gate_pauses_speculation_below_break_even_and_probes_again(ca
         speculate = switch.speculate
         switch.speculate = lambda bs: decisions.append(speculate(bs)) or decisions[-1]
         reqs = [world.add_request(f"r{i}", prompts[i], 60) for i in range(2)]
+        recorded: List[float] = []
+        record = switch.gate.record
+        switch.gate.record = lambda mean: recorded.append(mean) or record(mean)
+        committed: List[float] = []  # per verify step: tokens it appended per sequence, from the requests
         try:
             with S.cpu_stand_ins():
                 for _ in range(300):
-                    if world.step() is None and not world.waiting:
+                    before, n_decisions = [len(r.output_ids) for r in reqs], len(decisions)
+                    batch = world.step()
+                    if batch is None and not world.waiting:
                         break
+                    if len(decisions) > n_decisions and decisions[-1]:
+                        committed.append(sum(len(r.output_ids) - n for r, n in zip(reqs, before)) / len(batch.reqs))
         finally:
             uninstall_speculation_switch()
             H.forget_graph_memory_pool()
         for i, req in enumerate(reqs):
             assert world.sent[req.rid].output_ids == ref[i][:60], (min_accept, i)
+        assert recorded == committed and sum(c == cfg.draft_tokens for c in committed) > len(committed) // 2
         window = switch.gate.window
         if pauses:  # measure (window verifies), pause (5 plain), probe (window verifies), ...
             cycle = [True] * window + [False] * 5
             assert len(decisions) > 2 * len(cycle) and decisions == (cycle * 100)[:len(decisions)], decisions
-            assert switch.gate.pauses >= 2 and switch.gate.last_mean == cfg.draft_tokens < min_accept
+            assert switch.gate.pauses >= 2 and switch.gate.last_mean <= cfg.draft_tokens < min_accept
             assert any("speculation paused for 5 decode steps" in r.getMessage() for r in caplog.records)
         else:
             # (requests near their last token commit fewer than draft_tokens)

@@ -30,6 +30,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from .draft_lag import DraftLag
+from .eagle_v1_plain import bonus_tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def eagle_v1_catch_up(worker: Any, batch: Any, lag: DraftLag) -> int:
                                f"{view.extend_num_tokens} lagging positions")
     rows = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
     everyone = len(idx) == len(reqs)
-    bonus = batch.spec_info.bonus_tokens if everyone else batch.spec_info.bonus_tokens[rows]
+    bonus = bonus_tokens(batch.spec_info) if everyone else bonus_tokens(batch.spec_info)[rows]
     _run_draft_extend(worker, view, hidden, bonus)
     caught = view.spec_info
     if everyone:

@@ -18,9 +18,13 @@ decode path does it for one token:
    the target hidden states the draft will need there (captured FULL: EAGLE3's aux hidden states) go
    to a :class:`~.draft_lag.DraftLag`; finished requests (aborts included) are forgotten, never caught
    up. ``batch.spec_info`` becomes an ``EagleDraftInput`` for the unfinished rows only (the new tokens
-   as ``bonus_tokens``, placeholder draft fields), so the scheduler's ``filter_batch`` and
-   ``merge_batch`` find the draft state they expect. Before the next speculative step
+   as ``bonus_tokens``, ``verified_id`` up to 0.5.11; placeholder draft fields), so the scheduler's
+   ``filter_batch`` and ``merge_batch`` find the draft state they expect. Before the next speculative step
    :func:`~.eagle_v1_catch_up.eagle_v1_catch_up` catches the draft up in one draft extend.
+
+Where SGLang's classic releases (0.5.9 to 0.5.12.x) differ in names or in how verify and the scheduler
+split that bookkeeping, :func:`release` says which release this is (:class:`Release`); nothing else here
+depends on the version.
 
 The result is marked (:data:`PLAIN_STEP`) so that :func:`process_plain_step_result` keeps it out of
 SGLang's speculation metrics, which SGLang counts per decode batch in ``update_spec_metrics``.
@@ -28,8 +32,10 @@ SGLang's speculation metrics, which SGLang counts per decode batch in ``update_s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, NamedTuple, Optional
 
 import torch
 
@@ -41,6 +47,62 @@ log = logging.getLogger(__name__)
 
 #: Attribute set on the ``GenerationBatchResult`` of a plain step.
 PLAIN_STEP = "graphpool_plain_step"
+
+
+# ----------------------------------------------------------------------------------- release differences
+class Release(NamedTuple):
+    """What the plain step does differently per classic SGLang release (0.5.9 to 0.5.12.x), read from that
+    release's own classes. Every version-dependent name or step of the switch is here."""
+
+    bonus: str
+    """``EagleDraftInput``'s field for each request's next input token: ``bonus_tokens`` (0.5.12.x),
+    ``verified_id`` (0.5.9 to 0.5.11)."""
+    accepted: str
+    """``GenerationBatchResult``'s accepted drafts of a verify step, summed over the batch:
+    ``num_correct_drafts`` (0.5.12.x), ``num_accepted_drafts`` (0.5.11), ``num_accepted_tokens`` (0.5.9,
+    0.5.10.x; drafts, the bonus token not counted, despite the name)."""
+    accepted_per_req: str
+    """The same per request: ``num_correct_drafts_per_req_cpu``, ``num_accepted_drafts_per_req_cpu``,
+    ``accept_length_per_req_cpu`` (0.5.9, 0.5.10.x: the scheduler splits ``next_token_ids`` by it)."""
+    verify_counts_reasoning: bool
+    """Spec-v1 verify counts reasoning tokens (0.5.11 on). In 0.5.10.x the scheduler's
+    ``process_batch_result_decode`` counts them for spec v1 as for plain decoding; 0.5.9 counts none."""
+    standalone_hidden: bool
+    """The worker feeds a STANDALONE draft the target's hidden states as it does EAGLE's (captured FULL):
+    0.5.9 to 0.5.11. From 0.5.12 it captures none for STANDALONE (``CaptureHiddenMode.NULL``)."""
+    report_decode_stats: str
+    """The scheduler's per-decode-step stats method: ``report_decode_stats`` (0.5.10 on),
+    ``log_decode_stats`` (0.5.9)."""
+
+
+@functools.lru_cache(maxsize=None)
+def release() -> Release:
+    """This SGLang's :class:`Release` (from its dataclasses' fields and the scheduler's methods)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    draft_fields = {f.name for f in dataclasses.fields(EagleDraftInput)}
+    result_fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}
+    for accepted, per_req in (("num_correct_drafts", "num_correct_drafts_per_req_cpu"),
+                              ("num_accepted_drafts", "num_accepted_drafts_per_req_cpu"),
+                              ("num_accepted_tokens", "accept_length_per_req_cpu")):
+        if accepted in result_fields and per_req in result_fields:
+            break
+    else:
+        raise RuntimeError(f"SGLang's GenerationBatchResult names no accepted-draft count graphpool knows: "
+                           f"{sorted(result_fields)}")
+    return Release(
+        bonus="bonus_tokens" if "bonus_tokens" in draft_fields else "verified_id",
+        standalone_hidden="bonus_tokens" not in draft_fields,  # both changed in 0.5.12
+        accepted=accepted, accepted_per_req=per_req,
+        verify_counts_reasoning=per_req != "accept_length_per_req_cpu",  # 0.5.11 on (the scheduler's job before)
+        report_decode_stats="report_decode_stats" if hasattr(Scheduler, "report_decode_stats") else "log_decode_stats")
+
+
+def bonus_tokens(draft_input: Any) -> torch.Tensor:
+    """Each request's next input token in an ``EagleDraftInput`` (see :attr:`Release.bonus`)."""
+    return getattr(draft_input, release().bonus)
 
 
 def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
@@ -57,7 +119,7 @@ def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
     draft_input = batch.spec_info
     bs = batch.batch_size()
     kv_lens = batch.seq_lens_cpu.tolist()  # the position each request's KV is written at by this step
-    last_tokens = draft_input.bonus_tokens.to(torch.int64)
+    last_tokens = bonus_tokens(draft_input).to(torch.int64)
     # Penalties count the previous token, as SGLang's decode and EAGLE's draft preprocessing do.
     if batch.sampling_info.penalizer_orchestrator.is_required:
         batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(last_tokens)
@@ -75,9 +137,9 @@ def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
     batch.seq_lens_sum += bs
 
     # Step 2: the target in DECODE mode, sampled like SGLang's decode (EAGLE's catch-up needs its hidden states).
-    standalone = worker.speculative_algorithm.is_standalone()
+    no_hidden = worker.speculative_algorithm.is_standalone() and not release().standalone_hidden
     worker_batch = batch.get_model_worker_batch()
-    worker_batch.capture_hidden_mode = CaptureHiddenMode.NULL if standalone else CaptureHiddenMode.FULL
+    worker_batch.capture_hidden_mode = CaptureHiddenMode.NULL if no_hidden else CaptureHiddenMode.FULL
     result = worker.target_worker.forward_batch_generation(worker_batch)
     next_token_ids = result.next_token_ids
     logits_output = result.logits_output
@@ -97,17 +159,24 @@ def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
     _leave_draft_lagging(worker, batch, lag, draft_input, kv_lens, logits_output.hidden_states, next_token_ids,
                          unfinished)
 
+    names = release()
     out = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids,
-                                num_correct_drafts=0, num_correct_drafts_per_req_cpu=[0] * bs,
-                                can_run_cuda_graph=result.can_run_cuda_graph)
+                                can_run_cuda_graph=result.can_run_cuda_graph,
+                                **{names.accepted: 0, names.accepted_per_req: [0] * bs})
     setattr(out, PLAIN_STEP, True)
     return out
 
 
 def record_tokens(batch: Any, next_token_ids: List[int]) -> List[int]:
     """Append each request's new token and run its finish checks, in the order SGLang's spec-v1 verify
-    does for an accepted token; returns the indices of the requests still unfinished."""
-    think_end_id = batch.model_config.think_end_id
+    does for an accepted token; returns the indices of the requests still unfinished.
+
+    Up to 0.5.10.x verify neither counts reasoning tokens (:attr:`Release.verify_counts_reasoning`) nor
+    checks the finish again after the grammar accepted the token; the scheduler's
+    ``process_batch_result_decode`` runs ``check_finished`` once more in the same step. Checking here as
+    0.5.11 does ends the request in the same state, and keeps a request whose grammar just terminated out
+    of the next draft input (``filter_batch`` trusts that finished rows are gone)."""
+    think_end_id = getattr(batch.model_config, "think_end_id", None) if release().verify_counts_reasoning else None
     unfinished = []
     for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids, strict=True)):
         req.output_ids.append(token)
@@ -170,14 +239,14 @@ def _leave_draft_lagging(worker: Any, batch: Any, lag: DraftLag, previous: Any, 
     batch.spec_info = lagging_draft_input(previous, keep(next_token_ids), worker.topk)
 
 
-def lagging_draft_input(previous: Any, bonus_tokens: torch.Tensor, topk: int) -> Any:
-    """The ``EagleDraftInput`` of a batch whose draft lags: ``bonus_tokens`` (the next step's input) is
+def lagging_draft_input(previous: Any, bonus: torch.Tensor, topk: int) -> Any:
+    """The ``EagleDraftInput`` of a batch whose draft lags: ``bonus`` (the next step's input) is
     real; ``topk_p``, ``topk_index`` and ``hidden_states`` are placeholders of the right row count, cut
     from ``previous`` (no copy): the scheduler slices and concatenates them, no forward reads them, and
     the catch-up replaces them before the next speculative step."""
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-    n, device = bonus_tokens.shape[0], bonus_tokens.device
+    n, device = bonus.shape[0], bonus.device
 
     def placeholder(t: Optional[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
         if t is not None and t.shape[0] >= n:
@@ -187,7 +256,7 @@ def lagging_draft_input(previous: Any, bonus_tokens: torch.Tensor, topk: int) ->
 
     hidden = previous.hidden_states
     return EagleDraftInput(
-        bonus_tokens=bonus_tokens, topk_p=placeholder(previous.topk_p, topk, torch.float32),
+        **{release().bonus: bonus}, topk_p=placeholder(previous.topk_p, topk, torch.float32),
         topk_index=placeholder(previous.topk_index, topk, torch.int64),
         hidden_states=None if hidden is None else placeholder(hidden, hidden.shape[-1], hidden.dtype),
         capture_hidden_mode=previous.capture_hidden_mode)
@@ -205,24 +274,26 @@ def process_plain_step_result(original: Any, scheduler: Any, batch: Any, result:
 @contextlib.contextmanager
 def _verify_steps_only(scheduler: Any) -> Iterator[None]:
     # Instance attributes shadow the scheduler's methods for this one call.
+    report = release().report_decode_stats
     scheduler.update_spec_metrics = _skip_spec_metrics
-    scheduler.report_decode_stats = _guarded_report(scheduler)
+    setattr(scheduler, report, _guarded_report(scheduler, report))
     try:
         yield
     finally:
         del scheduler.update_spec_metrics
-        del scheduler.report_decode_stats
+        delattr(scheduler, report)
 
 
 def _skip_spec_metrics(bs: int, num_correct_drafts: int) -> None:
     """A plain step proposes no draft: nothing to add to the acceptance counters."""
 
 
-def _guarded_report(scheduler: Any) -> Any:
-    """``report_decode_stats`` that survives a log interval without a verify step: SGLang divides the
-    accepted tokens by the verify count, which only plain steps leave at zero. That line then reports
-    no acceptance, as for a server without speculation."""
-    report = type(scheduler).report_decode_stats
+def _guarded_report(scheduler: Any, name: str) -> Any:
+    """The scheduler's decode-stats method (``name``, :attr:`Release.report_decode_stats`) made to survive
+    a log interval without a verify step: SGLang divides the accepted tokens by the verify count, which
+    only plain steps leave at zero. That line then reports no acceptance, as for a server without
+    speculation."""
+    report = getattr(type(scheduler), name)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if scheduler.spec_num_forward_ct > 0:

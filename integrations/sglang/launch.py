@@ -37,10 +37,10 @@ log = logging.getLogger(__name__)
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
 HELP = """graphpool's options (all other arguments go to SGLang's launch_server, listed below):
   --graphpool-spec-off-above N       decode plainly once a decode batch has more than N sequences (EAGLE,
-                                     EAGLE3, STANDALONE: SGLang 0.5.12's EAGLE v1 worker with
+                                     EAGLE3, STANDALONE: the classic API's EAGLE v1 worker with
                                      --disable-overlap-schedule, or 0.5.14+'s spec-v2 worker)
   --graphpool-spec-on-at-or-below M  speculate again at <= M sequences (default N; M < N: hysteresis)
-  --graphpool-spec-min-accept A      SGLang 0.5.12 (EAGLE v1) only: also decode plainly while verify steps
+  --graphpool-spec-min-accept A      classic API (EAGLE v1) only: also decode plainly while verify steps
                                      commit < A tokens per sequence (the draft's break-even); probes again
                                      after 256 decode steps
 """

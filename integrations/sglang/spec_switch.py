@@ -133,7 +133,8 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
 
     ``max_lag_steps``: the draft lag's window (:mod:`.draft_lag`): at most that many plain steps' hidden
     states kept per request, and caught up; a longer plain phase leaves the draft's older KV stale.
-    ``min_accept``: see :class:`SpeculationSwitch` (read from each verify step's ``num_correct_drafts``).
+    ``min_accept``: see :class:`SpeculationSwitch` (read from each verify step's accepted drafts, named per
+    release: :attr:`~.eagle_v1_plain.Release.accepted`).
     """
     problem = switch_support_problem()
     if problem:
@@ -193,32 +194,33 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
 
 
 def switch_support_problem() -> Optional[str]:
-    """Why this SGLang's EAGLE v1 worker is not the one the plain step was written against (``None``: it is).
+    """Why this SGLang's EAGLE v1 worker is not one the plain step follows (``None``: it is).
 
-    The plain step does spec-v1 verify's bookkeeping itself, field by field, as SGLang 0.5.12 names and
-    splits it; earlier classic releases name the draft's next input ``verified_id`` (not ``bonus_tokens``)
-    and report accepted drafts under other names, so the switch refuses them rather than guess.
+    The plain step does spec-v1 verify's bookkeeping itself, field by field, as each classic release
+    names and splits it (:class:`~.eagle_v1_plain.Release`: SGLang 0.5.9, 0.5.10.x, 0.5.11 and 0.5.12.x,
+    each verified against its real classes). A release whose names it does not recognise is refused
+    rather than guessed at.
     """
-    import dataclasses
-
-    from sglang.srt.speculative.eagle_info import EagleDraftInput
-
     from . import versions
+    from .eagle_v1_plain import release
 
-    if "bonus_tokens" not in {f.name for f in dataclasses.fields(EagleDraftInput)}:
-        return (f"graphpool's speculation switch (classic API) runs on SGLang 0.5.12.x, whose EAGLE v1 worker its "
-                f"plain step follows; SGLang {versions.sglang_version()} names the draft's state differently. Its "
-                f"runner still serves this SGLang: drop --graphpool-spec-off-above, or use SGLang 0.5.12.post1")
+    try:
+        release()
+    except RuntimeError as exc:
+        return (f"graphpool's speculation switch (classic API) runs on SGLang 0.5.12.x, 0.5.11, 0.5.10.x and 0.5.9, "
+                f"whose EAGLE v1 workers its plain step follows; SGLang {versions.sglang_version()} names their "
+                f"results differently ({exc}). Its runner still serves this SGLang: drop --graphpool-spec-off-above, "
+                f"or use SGLang 0.5.12.post1")
     return None
 
 
 def _correct_drafts(result: Any) -> Optional[int]:
-    """Draft tokens the verify step accepted, summed over the batch (SGLang renamed the field once)."""
-    for name in ("num_correct_drafts", "num_accepted_tokens"):
-        value = getattr(result, name, None)
-        if value is not None:
-            return int(value)
-    return None
+    """Draft tokens the verify step accepted, summed over the batch (the field's name per release:
+    :attr:`~.eagle_v1_plain.Release.accepted`)."""
+    from .eagle_v1_plain import release
+
+    value = getattr(result, release().accepted, None)
+    return None if value is None else int(value)
 
 
 def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: SpeculationSwitch) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,18 @@ def require_api(api: str) -> None:
     if versions.runner_api() != api:
         pytest.skip(f"needs the {api} API of SGLang's graph runner ({versions.SUPPORTED[api]}); installed: SGLang "
                     f"{versions.sglang_version()}", allow_module_level=True)
+
+
+def require_eagle_v1() -> None:
+    """Skip the calling test module unless SGLang has the EAGLE v1 worker the classic speculation switch
+    drives (0.5.9 to 0.5.12.x; 0.5.13.x keeps the classic runner API but has only eagle_worker_v2)."""
+    import pytest
+
+    from graphpool.integrations.sglang import versions
+
+    if not versions.has_eagle_v1():
+        pytest.skip(f"needs SGLang's EAGLE v1 worker (the classic speculation switch); SGLang "
+                    f"{versions.sglang_version()} has none", allow_module_level=True)
 
 
 # ----------------------------------------------------------------------------------- KV state
@@ -359,8 +372,13 @@ class HarnessModelRunner:
 
     def forward(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool = False,
                 pp_proxy_tensors: Any = None) -> Any:
-        """SGLang's ``ModelRunner._forward_raw``: graph replay when ``graph_runner.can_run``, else eager."""
-        return self._forward_raw(forward_batch, skip_attn_backend_init, pp_proxy_tensors)
+        """SGLang's ``ModelRunner._forward_raw``: graph replay when ``graph_runner.can_run``, else eager.
+        From 0.5.13 ``_forward_raw`` takes no ``skip_attn_backend_init``: a pre-planned batch is marked."""
+        if "skip_attn_backend_init" in inspect.signature(self._forward_raw).parameters:
+            return self._forward_raw(forward_batch, skip_attn_backend_init, pp_proxy_tensors)
+        if skip_attn_backend_init:
+            forward_batch.mark_forward_metadata_ready()
+        return self._forward_raw(forward_batch, pp_proxy_tensors)
 
 
 # ----------------------------------------------------------------------------------- steps

@@ -20,7 +20,8 @@ from graphpool.integrations.sglang.launch import GraphpoolOptions, SchedulerEntr
 from graphpool.integrations.sglang.patch import build_graph_runner
 from graphpool.integrations.sglang.spec_switch import switch_support_problem
 
-# The classic switch follows the EAGLE v1 worker of each classic release (0.5.9 to 0.5.12.x); it refuses others.
+# The classic switch follows the EAGLE v1 worker of each classic release (0.5.9 to 0.5.12.x); it refuses others
+# (0.5.13.x, classic runner API without an EAGLE v1 worker, among them).
 needs_switch = pytest.mark.skipif(switch_support_problem() is not None,
                                   reason="the speculation switch refuses this SGLang (tested below)")
 
@@ -133,6 +134,23 @@ def test_keep_sglang_runner_installs_the_switch_only():
     assert Scheduler.process_batch_result_decode is original_process
 
 
+def test_the_switch_refuses_a_classic_sglang_without_eagle_v1(monkeypatch):
+    """SGLang 0.5.13.x keeps the classic runner API (graphpool's runner serves it) but has no EAGLE v1 worker:
+    the classic switch refuses it by that reason, before the overlap-scheduler advice and before anything is
+    patched. Forced here on any classic SGLang; on 0.5.13.x it is the real answer."""
+    from graphpool.integrations.sglang import versions
+    from graphpool.integrations.sglang.spec_switch import install_speculation_switch
+
+    monkeypatch.setattr(versions, "has_eagle_v1", lambda: False)
+    server_args = type("Args", (), {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False})()
+    with pytest.raises(SystemExit, match=r"EAGLE v1 worker, which SGLang .* does not have"):
+        check_server_args(GraphpoolOptions(spec_off_above=16), server_args)
+    with pytest.raises(RuntimeError, match=r"does not have \(it has eagle_worker_v2 only\)"):
+        install_speculation_switch(16)
+    assert not gp_sglang.installed()
+
+
+@needs_switch
 def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for(monkeypatch):
     """A classic SGLang whose verify results carry names the plain step does not know (a release after
     those verified, say): the switch says which releases it follows, at the launcher's check and at

@@ -132,7 +132,10 @@ def _sglang_verify_only_runner(mr):
     """SGLang's ``CudaGraphRunner`` routing on a verify-only runner, without its GPU capture: the real
     ``can_run``, ``replay_prepare`` and ``DecodeInputBuffers``; capture is skipped (the error happens
     while staging, before any replay)."""
-    if not hasattr(sglang_runner, "DecodeInputBuffers"):  # SGLang 0.5.9 keeps its buffers on the runner itself
+    # SGLang 0.5.9 keeps its buffers on the runner itself; 0.5.10 to 0.5.12 use DecodeInputBuffers; 0.5.13
+    # allocates a namespace of buffers and stages through a buffer registry.
+    registry = hasattr(sglang_runner, "build_decode_registry")
+    if not hasattr(sglang_runner, "DecodeInputBuffers") and not registry:
         pytest.skip("this SGLang (0.5.9) has no DecodeInputBuffers to stage its own routing with")
     runner = object.__new__(sglang_runner.CudaGraphRunner)
     tokens = mr.cfg.draft_tokens
@@ -145,11 +148,14 @@ def _sglang_verify_only_runner(mr):
         seq_len_fill_value=1, attn_backend=mr.attn_backend, is_dllm=False,
         deepep_adapter=sglang_runner.DeepEPCudaGraphRunnerAdapter())
     runner.__dict__.update(fields)
-    runner.buffers = sglang_runner.DecodeInputBuffers.create(
-        device="cpu", max_bs=runner.max_bs, max_num_token=runner.max_bs * tokens, hidden_size=mr.cfg.hidden,
-        vocab_size=mr.cfg.vocab, dtype=mr.cfg.dtype, dp_size=1, pp_size=1, is_encoder_decoder=False,
-        require_mlp_tp_gather=False, seq_len_fill_value=1, encoder_len_fill_value=0, num_tokens_per_bs=tokens,
-        cache_loc_dtype=torch.int64, enable_mamba_track=False)
+    sizes = dict(device="cpu", max_bs=runner.max_bs, max_num_token=runner.max_bs * tokens, seq_len_fill_value=1,
+                 cache_loc_dtype=torch.int64, enable_mamba_track=False, is_encoder_decoder=False,
+                 encoder_len_fill_value=0, require_mlp_tp_gather=False, dp_size=1)
+    make = sglang_runner._allocate_decode_buffers if registry else sglang_runner.DecodeInputBuffers.create
+    runner.buffers = make(hidden_size=mr.cfg.hidden, vocab_size=mr.cfg.vocab, dtype=mr.cfg.dtype, pp_size=1,
+                          num_tokens_per_bs=tokens, **sizes)
+    if registry:  # SGLang 0.5.13
+        runner.buffer_registry = sglang_runner.build_decode_registry(source=runner.buffers, **sizes)
     return runner
 
 
@@ -208,7 +214,9 @@ def test_every_graph_copies_its_logits_into_one_shared_buffer():
 
 
 def test_eagle_v2_split_replay_prepare_then_replay():
-    """EAGLE v2 calls can_run, replay_prepare, reads .bs, then replay(skip_attn_backend_init=True)."""
+    """EAGLE v2 calls can_run, replay_prepare, reads .bs, then replay(skip_attn_backend_init=True); from
+    SGLang 0.5.13 it marks the batch (``mark_forward_metadata_ready``) and ``_forward_raw`` calls
+    ``replay(fb, pp_proxy_tensors=...)``. Either way attention is planned once, by replay_prepare."""
     cfg = H.HarnessConfig(batch_sizes=(1, 2, 4, 8))
     mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=True)
     runner = mr.graph_runner = MultiModeCudaGraphRunner(mr)
@@ -221,7 +229,13 @@ def test_eagle_v2_split_replay_prepare_then_replay():
     assert runner.can_run(fb)
     runner.replay_prepare(fb)
     assert (runner.bs, runner.raw_bs, runner.raw_num_token) == (4, 3, 12)
-    out = runner.replay(fb, skip_attn_backend_init=True)
+    planned = len(mr.attn_backend.replay_log)
+    if hasattr(fb, "mark_forward_metadata_ready"):  # SGLang 0.5.13: the marker, through SGLang's _forward_raw
+        fb.mark_forward_metadata_ready()
+        out = mr.forward(fb).logits_output
+    else:
+        out = runner.replay(fb, skip_attn_backend_init=True)
+    assert len(mr.attn_backend.replay_log) == planned, "replay re-planned a batch replay_prepare planned"
     want = eager.forward(H.verify_batch(eager, reqs, [0, 1, 2], drafts, H.SlotAllocator(cfg.kv_slots)))
     torch.testing.assert_close(out.next_token_logits, want.logits_output.next_token_logits, atol=1e-10, rtol=0)
 

@@ -27,7 +27,8 @@ import torch
 
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
 
-H.require_api("classic")  # SGLang's EAGLE v1 worker and spec-v1 scheduler bookkeeping (0.5.9 to 0.5.13.post1)
+H.require_api("classic")  # SGLang's EAGLE v1 worker and spec-v1 scheduler bookkeeping (0.5.9 to 0.5.12.x)
+H.require_eagle_v1()  # the EAGLE v1 switch: SGLang 0.5.13.x has no EAGLE v1 worker
 
 from tests import sglang_scheduler_harness as S  # noqa: E402
 

@@ -19,6 +19,7 @@ import torch
 from tests import sglang_harness as H  # noqa: I001  (puts the test stand-ins on sys.path first)
 
 H.require_api("classic")  # the runner API (SGLang 0.5.14+) has its own tests
+H.require_eagle_v1()  # the EAGLE v1 switch: SGLang 0.5.13.x has no EAGLE v1 worker
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 

@@ -2,7 +2,7 @@
 switch (plain-decode steps on DECODE graphs above a batch-size threshold).
 
 Import name ``graphpool.integrations.sglang``. Two SGLang API generations are served (see
-:mod:`.versions`): the classic ``CudaGraphRunner`` (0.5.9 to 0.5.12.post1; :class:`MultiModeCudaGraphRunner`)
+:mod:`.versions`): the classic ``CudaGraphRunner`` (0.5.9 to 0.5.13.post1; :class:`MultiModeCudaGraphRunner`)
 and the runner package (0.5.14 to 0.5.23; :class:`MultiModeDecodeRunner`). :func:`install` picks the one of
 the installed SGLang, and so do the speculation switch's names (:mod:`.spec_switch` for SGLang's EAGLE v1
 worker, :mod:`.spec_switch_v2` for its spec-v2 worker). See README.md beside this file for running a server.

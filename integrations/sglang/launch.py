@@ -154,14 +154,14 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
         if options.spec_min_accept is not None:
             raise SystemExit(MIN_ACCEPT_NEEDS_CLASSIC)
         return
+    from .spec_switch import switch_support_problem
+
+    problem = switch_support_problem()  # first: SGLang 0.5.13.x has no EAGLE v1 worker at all
+    if problem:
+        raise SystemExit(problem)
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
                          "without the overlap scheduler; add --disable-overlap-schedule")
-    from .spec_switch import switch_support_problem
-
-    problem = switch_support_problem()
-    if problem:
-        raise SystemExit(problem)
 
 
 def sglang_missing_message(exc: ImportError) -> str:
@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         from . import versions
 
-        versions.runner_api()  # an SGLang between the APIs (0.5.13.x) is refused here, before anything starts
+        versions.runner_api()  # an SGLang graphpool does not know is refused here, before anything starts
     except ImportError as exc:
         print(sglang_missing_message(exc), file=sys.stderr)
         raise SystemExit(2) from None

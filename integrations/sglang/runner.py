@@ -14,7 +14,9 @@ The attention backend's graph state is initialised once, sized for the largest m
 batch's own forward mode at capture and at replay. The hidden-state capture mode is kept per forward
 mode and fixed at construction: nothing is recaptured on the step path. The split use of EAGLE v2
 (``can_run``, ``replay_prepare``, ``.bs``, ``replay(...,
-skip_attn_backend_init=True)``) keeps working.
+skip_attn_backend_init=True)``, or from 0.5.13 a batch marked ``mark_forward_metadata_ready()``) keeps
+working. SGLang 0.5.13 keeps this class API but plans attention through the out-of-graph / in-graph hooks
+and the forward context; :mod:`.attn_hooks` (shared with :mod:`.runner_api`) drives those there.
 
 .. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).
 """
@@ -33,7 +35,7 @@ from sglang.srt.model_executor import cuda_graph_runner as sglang_runner
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
 
-from . import common
+from . import attn_hooks, common
 from .common import MODE_NAMES, GraphId
 from .replay_log import ReplayLog
 from .support import capture_batch_sizes, unsupported_reasons
@@ -170,8 +172,12 @@ class MultiModeCudaGraphRunner:
                 after_warmup()
             return
         fb = self._capture_batch(forward_mode, batch)
-        self.attn_backend.init_forward_metadata_capture_cuda_graph(
-            batch.bs, batch.num_tokens, fb.req_pool_indices, fb.seq_lens, None, forward_mode, fb.spec_info)
+        if attn_hooks.NEW_HOOKS:  # SGLang 0.5.13: the out-of-graph hook, in the forward context, as its runner
+            with attn_hooks.forward_context_for(self.attn_backend, fb):
+                self.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        else:
+            self.attn_backend.init_forward_metadata_capture_cuda_graph(
+                batch.bs, batch.num_tokens, fb.req_pool_indices, fb.seq_lens, None, forward_mode, fb.spec_info)
         self._capture_batches[graph_id] = fb
 
     def _capture_batch(self, forward_mode: ForwardMode, batch: StepBatch) -> ForwardBatch:
@@ -196,9 +202,12 @@ class MultiModeCudaGraphRunner:
         """The pool's step function: the model's forward on the key's static ForwardBatch."""
         graph_id = (ForwardMode[batch.mode.name.upper()], batch.bs)
         fb = self._capture_batches[graph_id]
-        set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
-        set_is_extend_in_batch(False)
-        out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
+        with attn_hooks.forward_context_for(self.attn_backend, fb):  # a no-op before SGLang 0.5.13
+            if attn_hooks.NEW_HOOKS:
+                self.attn_backend.init_forward_metadata_in_graph(fb)
+            set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
+            set_is_extend_in_batch(False)
+            out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
         result = {"next_token_logits": out.next_token_logits, "hidden_states": out.hidden_states}
         if self._capturing:
             self.output_buffers[graph_id] = result  # the last call of a key at capture is the captured one
@@ -267,19 +276,36 @@ class MultiModeCudaGraphRunner:
             self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
         # A DECODE step with a spec_info is a draft decode to FlashInfer/FA3: plain decode passes None.
         spec_info = forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None
-        # SGLang 0.5.12 hands the batch to backends that plan from it (DeepSeek-V4's) out of band, as here.
-        self.attn_backend._replay_forward_batch = forward_batch
-        self.attn_backend.init_forward_metadata_replay_cuda_graph(
-            bs, step.batch.inputs["req_pool_indices"], step.batch.inputs["seq_lens"],
-            forward_batch.seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value, None, mode, spec_info,
-            seq_lens_cpu=self.seq_lens_cpu[:bs])
-        self.attn_backend._replay_forward_batch = None
+        if attn_hooks.NEW_HOOKS:  # SGLang 0.5.13: the out-of-graph hook on a padded view (as runner_api's)
+            self.attn_backend.init_forward_metadata_out_graph(
+                attn_hooks.replay_view(forward_batch, step, self.seq_lens_cpu, self.seq_len_fill_value))
+        else:
+            # SGLang 0.5.12 hands the batch to backends that plan from it (DeepSeek-V4's) out of band, as here.
+            self.attn_backend._replay_forward_batch = forward_batch
+            self.attn_backend.init_forward_metadata_replay_cuda_graph(
+                bs, step.batch.inputs["req_pool_indices"], step.batch.inputs["seq_lens"],
+                forward_batch.seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value, None, mode, spec_info,
+                seq_lens_cpu=self.seq_lens_cpu[:bs])
+            self.attn_backend._replay_forward_batch = None
         self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
         self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
         return step
 
-    def replay(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool = False,
-               pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
+    if attn_hooks.NEW_HOOKS:
+        def replay(self, forward_batch: ForwardBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None, *,
+                   skip_attn_backend_init: Optional[bool] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
+            """SGLang 0.5.13's signature: a batch whose ``needs_forward_metadata_init()`` is False was planned
+            by :meth:`replay_prepare` already (EAGLE v2); ``skip_attn_backend_init`` overrides the marker."""
+            if skip_attn_backend_init is None:
+                skip_attn_backend_init = not attn_hooks.needs_metadata(forward_batch)
+            return self._replay(forward_batch, skip_attn_backend_init)
+    else:
+        def replay(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool = False,
+                   pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
+            """SGLang 0.5.9 to 0.5.12's signature (see :meth:`_replay`)."""
+            return self._replay(forward_batch, skip_attn_backend_init)
+
+    def _replay(self, forward_batch: ForwardBatch, skip_attn_backend_init: bool) -> LogitsProcessorOutput:
         """Replay the graph of the batch's own forward mode; outputs sliced to the real tokens.
 
         With ``skip_attn_backend_init`` the caller already ran :meth:`replay_prepare` (EAGLE v2) and

@@ -20,7 +20,6 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -31,28 +30,18 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-from . import common
+from . import attn_hooks, common
 from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_reasons, server_hidden_mode,
                                  spec_settings)
-
-
-# 0.5.14's forward_context(ctx) vs 0.5.2x's forward_context(ctx, forward_batch=...).
-_CONTEXT_TAKES_BATCH = "forward_batch" in inspect.signature(forward_context).parameters
 
 
 # Per-token tensor fields of the model's output a replay returns sliced; every other field of the captured
 # output is kept as captured, as SGLang's execute keeps "extension fields" (``dataclasses.replace``).
 _SLICED_OUTPUTS = tuple(name for name in ("next_token_logits", "hidden_states", "last_hidden_states")
                         if name in {f.name for f in dataclasses.fields(LogitsProcessorOutput)})
-
-
-def _forward_context(attn_backend: Any, forward_batch: ForwardBatch) -> Any:
-    ctx = ForwardContext(attn_backend=attn_backend)
-    return forward_context(ctx, forward_batch=forward_batch) if _CONTEXT_TAKES_BATCH else forward_context(ctx)
 
 
 class MultiModeDecodeRunner:
@@ -195,7 +184,7 @@ class MultiModeDecodeRunner:
         """The pool's step function: in-graph attention metadata, then the model on the key's ForwardBatch."""
         graph_id = (common.forward_mode_of(batch), batch.bs)
         fb = self._capture_batches[graph_id]
-        with _forward_context(self.attn_backend, fb):
+        with attn_hooks.forward_context_for(self.attn_backend, fb):
             self.attn_backend.init_forward_metadata_in_graph(fb)
             set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
             set_is_extend_in_batch(False)
@@ -224,7 +213,7 @@ class MultiModeDecodeRunner:
         """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
         ``raw_num_token``. A batch already loaded (``needs_forward_metadata_init()`` False: spec v2 loaded
         it on the plan stream) only has its inputs staged again, since the draft changed them."""
-        if not _needs_metadata(forward_batch) and self._step is not None:
+        if not attn_hooks.needs_metadata(forward_batch) and self._step is not None:
             self._step = self._stage(forward_batch)
             return
         step = self._stage(forward_batch)
@@ -234,29 +223,11 @@ class MultiModeDecodeRunner:
             self.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
         if forward_batch.num_token_non_padded is not None:  # read by MoE models under expert parallelism
             self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
-        self.attn_backend.init_forward_metadata_out_graph(self._replay_view(forward_batch, step))
+        self.attn_backend.init_forward_metadata_out_graph(
+            attn_hooks.replay_view(forward_batch, step, self.seq_lens_cpu, self.seq_len_fill_value))
         self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
         self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
         self._step = step
-
-    def _replay_view(self, forward_batch: ForwardBatch, step: Step) -> Any:
-        """What the attention backend plans a replay from: the padded static views, the batch's own mode
-        (a DECODE step passes ``spec_info=None``: to FlashInfer/FA3 a DECODE step with one is a draft decode)."""
-        from types import SimpleNamespace
-
-        mode, bs, raw_bs, views = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size, step.batch.inputs
-        seq_lens_sum = forward_batch.seq_lens_sum
-        return SimpleNamespace(
-            batch_size=bs, forward_mode=mode, actual_forward_mode=mode, input_ids=views["input_ids"],
-            positions=views["positions"], req_pool_indices=views["req_pool_indices"], seq_lens=views["seq_lens"],
-            seq_lens_cpu=None if forward_batch.seq_lens_cpu is None else self.seq_lens_cpu[:bs],
-            seq_lens_sum=None if seq_lens_sum is None else seq_lens_sum + (bs - raw_bs) * self.seq_len_fill_value,
-            num_padding=bs - raw_bs, encoder_lens=None, out_cache_loc=views["out_cache_loc"],
-            spec_info=forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None,
-            max_seq_len_host=getattr(forward_batch, "max_seq_len_host", None),
-            kv_loc_plan=getattr(forward_batch, "kv_loc_plan", None), lora_ids=None,
-            global_num_tokens_cpu=None, dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(),
-            can_run_decode_cuda_graph=True)
 
     def execute(self, forward_batch: ForwardBatch,
                 pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
@@ -277,7 +248,3 @@ class MultiModeDecodeRunner:
         """The verify input the primary mode's graphs are captured with (SGLang's method name)."""
         return self._capture_spec_info(num_tokens) if self.speculative else None
 
-
-def _needs_metadata(forward_batch: ForwardBatch) -> bool:
-    needs = getattr(forward_batch, "needs_forward_metadata_init", None)
-    return True if needs is None else bool(needs())

@@ -202,6 +202,12 @@ def switch_support_problem() -> Optional[str]:
     rather than guessed at.
     """
     from . import versions
+
+    if not versions.has_eagle_v1():  # SGLang 0.5.13.x: classic runner API, but only the spec-v2 EAGLE worker
+        return (f"graphpool's speculation switch (classic API) drives SGLang's EAGLE v1 worker, which SGLang "
+                f"{versions.sglang_version()} does not have (it has eagle_worker_v2 only). Its runner still serves "
+                f"this SGLang: drop --graphpool-spec-off-above, or use SGLang 0.5.12.post1 (EAGLE v1) or 0.5.14+ "
+                f"(the spec-v2 switch)")
     from .eagle_v1_plain import release
 
     try:

@@ -2,7 +2,7 @@
 
 SGLang changed how it builds decode graphs in 0.5.14:
 
-* **classic** (0.5.9 to 0.5.12.post1): ``sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner``
+* **classic** (0.5.9 to 0.5.13.post1): ``sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner``
   with ``can_run`` / ``replay_prepare`` / ``replay``, held as ``ModelRunner.graph_runner``;
 * **runner** (0.5.14 and later, checked up to 0.5.23): the ``sglang.srt.model_executor.runner`` package,
   ``DecodeCudaGraphRunner`` with ``can_run_graph`` / ``load_batch`` / ``execute``, held as
@@ -11,7 +11,8 @@ SGLang changed how it builds decode graphs in 0.5.14:
 The answer is read from which modules exist, not from the version string, so a patch release that
 keeps one API or the other is handled; the version is reported in messages. SGLang 0.5.13.x sits between
 the two: it keeps the classic ``CudaGraphRunner`` class but drives attention through the new
-out-of-graph hooks and has no EAGLE v1 worker; graphpool refuses it by name (neither adapter fits).
+out-of-graph hooks (the classic adapter drives those there, :mod:`.attn_hooks`) and has no EAGLE v1
+worker, so the classic speculation switch refuses it (:func:`has_eagle_v1`).
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ RUNNER = "runner"
 _MARKERS = ((RUNNER, "sglang.srt.model_executor.runner.decode_cuda_graph_runner"),
             (CLASSIC, "sglang.srt.model_executor.cuda_graph_runner"))
 
-#: The EAGLE v1 worker: every classic release graphpool supports has it; 0.5.13.x does not.
+#: The EAGLE v1 worker: every classic release up to 0.5.12.x has it; 0.5.13.x does not.
 _EAGLE_V1 = "sglang.srt.speculative.eagle_worker"
 
 #: What each generation covers and what graphpool was verified against (for messages and the README).
-SUPPORTED = {CLASSIC: "SGLang 0.5.9 to 0.5.12.post1 (verified: 0.5.12.post1 live; 0.5.9 to 0.5.12.post1 in CI, CPU)",
+SUPPORTED = {CLASSIC: "SGLang 0.5.9 to 0.5.13.post1 (verified: 0.5.12.post1 live; 0.5.9 to 0.5.12.post1 in CI, "
+                      "CPU; 0.5.13.post1 once, CPU, runner only: no EAGLE v1 switch)",
              RUNNER: "SGLang 0.5.14 to 0.5.23 (verified: 0.5.23 in CI; 0.5.14 once, CPU)"}
 
 
@@ -64,15 +66,18 @@ def runner_api() -> str:
                 continue
             raise ImportError(f"SGLang {sglang_version()} is installed but does not import ({exc}): install its "
                               f"dependencies (pip install sglang=={sglang_version()})", name=exc.name) from exc
-        if found and api == CLASSIC and importlib.util.find_spec(_EAGLE_V1) is None:
-            raise ImportError(f"SGLang {sglang_version()} is not supported: its CudaGraphRunner drives attention "
-                              f"through the out-of-graph hooks of the runner API and it has no EAGLE v1 worker "
-                              f"(SGLang 0.5.13.x, between the two APIs); graphpool supports "
-                              + "; ".join(SUPPORTED.values()), name="sglang")
         if found:
             return api
     raise ImportError(f"SGLang {sglang_version()} has neither the classic CudaGraphRunner nor the runner package; "
                       f"graphpool supports " + "; ".join(SUPPORTED.values()))
+
+
+def has_eagle_v1() -> bool:
+    """Whether this SGLang has the EAGLE v1 worker the classic speculation switch drives (not 0.5.13.x)."""
+    try:
+        return importlib.util.find_spec(_EAGLE_V1) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require(api: str) -> None:

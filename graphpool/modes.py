@@ -146,11 +146,10 @@ class GraphKey:
 
 
 def _check_sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
-    if isinstance(sizes, (str, bytes)) or not all(map(_is_whole, sizes)):
-        raise ValueError(f"{what}: batch sizes must be a non-empty list of ints >= 1, got {sizes!r}")
-    out = tuple(sorted(set(operator.index(s) for s in sizes)))
+    whole = not isinstance(sizes, (str, bytes)) and all(map(_is_whole, sizes))
+    out = tuple(sorted({operator.index(s) for s in sizes})) if whole else ()
     if not out or out[0] < 1:
-        raise ValueError(f"{what}: batch sizes must be a non-empty list of ints >= 1, got {list(sizes)!r}")
+        raise ValueError(f"{what}: batch sizes must be a non-empty list of ints >= 1, got {sizes!r}")
     return out
 
 

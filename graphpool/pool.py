@@ -52,6 +52,7 @@ from .routing import Router
 from .stats import PoolStats
 from .validation import InputRules
 
+
 def _env_flag(name: str) -> bool:
     """An on/off environment variable: unset, empty, 0, false, no and off are off."""
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -20,11 +20,13 @@ import graphpool as gp
 
 @dataclass
 class BenchStep:
-    """What the benchmark needs of a step: its inputs, the step function, and a sampler of real inputs."""
+    """What the benchmark needs of a step: its inputs, the step function, a sampler of real inputs, and
+    which outputs have rows (``pool.capture(..., outputs=...)``)."""
 
     inputs: list[gp.StepInput]
     step_fn: Callable[[gp.StepBatch], object]
     sample: Callable[[gp.Mode, int], dict[str, torch.Tensor]]
+    outputs: object = None
 
 
 def make(device: torch.device, max_tokens: int, hidden: int = 512, vocab: int = 8192, window: int = 64,
@@ -80,4 +82,4 @@ def make(device: torch.device, max_tokens: int, hidden: int = 512, vocab: int = 
             "req_pool_indices": torch.randint(0, max_reqs, (bs,), device=device),
         }
 
-    return BenchStep(inputs, step, sample)
+    return BenchStep(inputs, step, sample, outputs="token")  # logits and next_tokens: one row per token

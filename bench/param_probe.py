@@ -270,9 +270,9 @@ def main() -> int:
     step = default_step.make(dev, 64 * 16)
     modes = [gp.Mode("decode", 1), gp.Mode("verify", 16)]
     ring_pool = gp.GraphPool(modes, step.inputs, [1, 8, 32, 64], device=dev)
-    ring_pool.capture(step.step_fn)
+    ring_pool.capture(step.step_fn, outputs=step.outputs)
     floor_pool = gp.GraphPool(modes, step.inputs, [1, 8, 32, 64], device=dev, staging="torch")
-    floor_pool.capture(step.step_fn)
+    floor_pool.capture(step.step_fn, outputs=step.outputs)
     rows = []
     for mode, bs in keys:
         inputs = step.sample(mode, bs)

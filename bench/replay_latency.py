@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, pool in pools.items():
         log.info("capturing %s pool ...", name)
         fn = padding_in_graph(step.step_fn, step.inputs, pad_count) if name == "graph-pad" else step.step_fn
-        pool.capture(fn, prepare=(lambda b, n: None) if name == "graphpool+prep" else None)
+        pool.capture(fn, prepare=(lambda b, n: None) if name == "graphpool+prep" else None,
+                     outputs=getattr(step, "outputs", None))
     extras: dict = {}
     if cuda:
         extras = {"sglang": sglang_style(pools["plain"], step.inputs, grouped=False),

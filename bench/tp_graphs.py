@@ -69,7 +69,8 @@ def _capture(engine: Engine, modes: list[str], sizes: list[int], tp) -> GraphPoo
     pool = GraphPool([m for m in engine.modes() if m.name in modes], STEP_INPUTS, sizes, device=engine.device)
     if tp is not None:
         tp.track(pool)
-    pool.capture(engine.step, prepare=tp.guard(None) if tp is not None else None, progress=False)
+    pool.capture(engine.step, prepare=tp.guard(None) if tp is not None else None, progress=False,
+                 outputs=engine.OUTPUTS)
     return pool
 
 

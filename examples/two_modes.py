@@ -57,7 +57,9 @@ def make_inputs(mode: Mode, bs: int) -> dict:
 
 
 with torch.inference_mode():
-    pool.capture(step)  # 8 graphs (2 modes x 4 sizes), largest token count first, one memory pool
+    # 8 graphs (2 modes x 4 sizes), largest token count first, one memory pool. `outputs` says which outputs
+    # have one row per token (cut to the real rows on return); an undeclared output comes back whole.
+    pool.capture(step, outputs={"logits": "token", "next_token": "token"})
     policy = SpeculationPolicy(off_above=4, on_at_or_below=2)  # speculate at <= 4 sequences, with hysteresis
     for bs in [1, 3, 6, 8, 5, 3, 2]:  # the batch size of each step of a decode loop
         mode = policy.choose(bs)

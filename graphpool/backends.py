@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import DeviceFaultError, StepOutputError
-from .outputs import tensor_leaves
+from .outputs import leaves_of
 
 Captured = Any  # torch.cuda.CUDAGraph for the CUDA backend, the step function itself for the twin
 
@@ -33,10 +33,10 @@ class EagerBackend:
         """"Records" ``fn``: runs it once, as a capture would, for its outputs; the replay it returns runs
         ``fn`` again and copies what it returns into those outputs."""
         out = fn()
-        targets = tensor_leaves(out)
+        targets = leaves_of(out)
 
         def replay() -> None:
-            produced = tensor_leaves(fn())
+            produced = leaves_of(fn())
             if len(produced) != len(targets) or any(
                     (t is None) != (p is None) or t is not None and t.shape != p.shape
                     for t, p in zip(targets, produced)):

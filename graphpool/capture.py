@@ -1,4 +1,4 @@
-"""Capturing one key: warm-up, the graph(s), the outputs pre-sliced for every real batch size.
+"""Capturing one key: warm-up, the graph(s), the outputs cut to the real rows for every real batch size.
 
 Each captured key becomes an :class:`Entry` whose ``run`` enqueues its graph the only correct way (for a
 graph holding a staging node, telling the stager that one more staging step was enqueued), so the pool's
@@ -19,12 +19,28 @@ import torch
 
 from .backends import CudaGraphBackend, EagerBackend
 from .buffers import StaticBuffers
-from .errors import CaptureError
+from .errors import CaptureError, StepOutputError
 from .modes import GraphKey, KeyTable, Mode
-from .outputs import OutputLayout, Outputs
+from .outputs import OutputLayout, OutputRules, Outputs
 from .stats import KeyStats
 
 log = logging.getLogger("graphpool")
+
+
+class StepInputs(dict):
+    """``StepBatch.inputs``: name -> tensor, read-only. A graph reads the tensors it was captured with, so
+    rebinding or adding an entry (in ``prepare`` or the step) could only work on the eager twin; keep other
+    per-step state in your own objects (allocated once, before capture)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("StepBatch.inputs is read-only: a captured graph reads the static buffers it was captured "
+                        "with, so an entry added or replaced here would reach the eager twin but never a CUDA "
+                        "graph; write into the tensors in place, or keep extra state in your own objects")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    pop = popitem = clear = update = setdefault = _refuse  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -35,8 +51,8 @@ class StepBatch:
         mode: the step's mode.
         bs: the padded batch size of the graph (the real batch size on the eager miss path).
         num_tokens: ``bs * mode.tokens_per_seq``.
-        inputs: name -> tensor: the static views of the graph (``captured``), or the caller's own
-            tensors on the eager miss path (not captured, not padded).
+        inputs: name -> tensor (read-only): the static views of the graph (``captured``), or the
+            caller's own tensors on the eager miss path (not captured, not padded).
         captured: whether this batch belongs to a captured graph.
     """
 
@@ -61,7 +77,7 @@ class Entry:
     run: Callable[[], Any] = lambda: None          # enqueue the graph; the eager twin returns its outputs
     stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
     layout: Optional[OutputLayout] = None
-    sliced: list = field(default_factory=list)     # [real_bs] -> outputs for layout.fresh
+    views: list = field(default_factory=list)      # [real_bs] -> the output leaves cut to the real rows
 
 
 class Step:
@@ -91,8 +107,9 @@ class Step:
         return new
 
 
-def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
-                backend: CudaGraphBackend | EagerBackend, stager: Any, progress: bool) -> dict[GraphKey, Entry]:
+def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn],
+                outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
+                progress: bool) -> dict[GraphKey, Entry]:
     """Capture every key, largest token count first (later, smaller graphs reuse the earlier ones' freed
     blocks of the shared memory pool). Raises :class:`CaptureError` (the cause attached) on any failure."""
     order = keys.capture_order()
@@ -101,19 +118,19 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
     try:
         with _frozen_gc():
             for i, key in enumerate(order, 1):
-                batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), buffers.views[key])
-                entries[key] = capture_key(key, batch, step_fn, prepare, warmup, backend, stager)
+                batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), StepInputs(buffers.views[key]))
+                entries[key] = capture_key(key, batch, step_fn, prepare, outputs, warmup, backend, stager)
                 if progress:
                     _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
     except Exception as exc:
-        raise CaptureError(_capture_failure_message(key, exc)) from exc
+        raise CaptureError(_capture_failure_message(key, exc, backend.name)) from exc
     log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order), backend.name,
              time.perf_counter() - started, sum(e.stats.graph_bytes for e in entries.values()) / 2**20)
     return entries
 
 
-def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn], warmup: int,
-                backend: CudaGraphBackend | EagerBackend, stager: Any) -> Entry:
+def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn],
+                outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any) -> Entry:
     """Warm up and capture ``key``. With ``prepare``, staging is its own small graph (``prepare`` must see
     the staged inputs); without, it is the first node of the step's graph."""
     entry = Entry(key, batch, KeyStats())
@@ -134,7 +151,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
             backend.warmup(stage_only)
         if prepare is not None:
             prepare(batch, key.bs)
-        OutputLayout(backend.warmup(lambda: step_fn(batch)), where)
+        _checked_layout(backend.warmup(lambda: step_fn(batch)), outputs, batch, where)
     graph_bytes = 0
     if stager.in_graph and not in_graph:
         stager.self_copy(key)
@@ -144,15 +161,21 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
         prepare(batch, key.bs)
     stager.self_copy(key)
     graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
-    entry.layout = OutputLayout(out, where)
+    entry.layout = _checked_layout(out, outputs, batch, where)
     entry.run = _enqueue(backend, graph, stager, stages=in_graph)
     entry.stats.capture_s = time.perf_counter() - started
     entry.stats.graph_bytes = graph_bytes + nbytes
-    # Both backends rewrite the same output tensors every replay: the views for each real batch size are made once.
+    # Both backends rewrite the same output tensors every replay: the cut leaves of each real batch size are
+    # made once (each run hands out new tensor objects viewing them: OutputLayout.fresh).
     tps = batch.mode.tokens_per_seq
-    entry.sliced = [()] + [entry.layout.prepare(entry.layout.sliced_leaves(batch.num_tokens, key.bs, real * tps, real))
-                           for real in range(1, key.bs + 1)]
+    entry.views = [()] + [entry.layout.views(real * tps, real) for real in range(1, key.bs + 1)]
     return entry
+
+
+def _checked_layout(out: Outputs, outputs: OutputRules, batch: StepBatch, where: str) -> OutputLayout:
+    layout = OutputLayout(out, outputs, where)
+    layout.check_rows(layout.leaves, batch.num_tokens, batch.bs, where)
+    return layout
 
 
 def _enqueue(backend: CudaGraphBackend | EagerBackend, graph: Any, stager: Any, stages: bool) -> Callable[[], Any]:
@@ -221,11 +244,25 @@ def _progress(message: str, last: bool) -> None:
     sys.stderr.flush()
 
 
-def _capture_failure_message(key: GraphKey, exc: BaseException) -> str:
-    return (f"capture of graph (mode {key.mode!r}, bs {key.bs}) failed: {type(exc).__name__}: {exc}. "
-            f"No graph of this pool was kept. Possible solutions:\n"
-            f"1. run the step eagerly (GraphPool(..., backend='eager')) to see if it fails outside a graph;\n"
-            f"2. remove host synchronisation (.item(), .tolist(), printing CUDA tensors) and data-dependent "
-            f"shapes from the step function (see graphpool.pool's graph-safety rules);\n"
-            f"3. lower the largest batch size if the GPU ran out of memory;\n"
-            f"4. if a library allocates lazily, make sure the warm-up run (warmup >= 1) touches it.")
+def _capture_failure_message(key: GraphKey, exc: BaseException, backend: str) -> str:
+    cause = str(exc).rstrip().rstrip(".")
+    failed = f"capture of graph (mode {key.mode!r}, bs {key.bs}) failed on the {backend} backend"
+    if isinstance(exc, StepOutputError):  # what the step returns, not how it runs: the message says the fix
+        return f"{failed}: {cause}. No graph of this pool was kept."
+    remedies = [
+        "state sized by its first call breaks at the next batch size: transformers' StaticCache, for one, takes "
+        "its batch size from its first write (an index_copy_ shape error at the second key); allocate such state "
+        "once, for the largest batch size, before capture (graphpool.integrations.transformers.SlotCache does)",
+        "every key runs the step with all rows at their inputs' fill values first (padding): those values must be "
+        "valid for every kernel the step runs (a dummy KV slot, a length of 1)",
+    ]
+    if backend == "cuda":
+        remedies[:0] = [
+            "run the step eagerly (GraphPool(..., backend='eager')) to see if it fails outside a graph",
+            "remove host synchronisation (.item(), .tolist(), printing CUDA tensors) and data-dependent shapes from "
+            "the step function (see graphpool.pool's graph-safety rules)",
+        ]
+        remedies += ["lower the largest batch size if the GPU ran out of memory",
+                     "if a library allocates lazily, make sure the warm-up run (warmup >= 1) touches it"]
+    listed = "".join(f"\n{i}. {r};" for i, r in enumerate(remedies, 1))[:-1] + "."
+    return f"{failed}: {type(exc).__name__}: {cause}. No graph of this pool was kept. Possible solutions:{listed}"

@@ -60,7 +60,7 @@ class StepInput:
             in ``dtype`` (an integer input takes an integer fill).
         trailing: the shape after the row dimension (``()`` for one value per row).
         bounds: ``(low, high)``: every value must lie in ``[low, high)``, e.g. ``(0, num_kv_slots)`` for
-            ``out_cache_loc``. The pool's debug mode checks it before each replay; the fast path trusts
+            ``out_cache_loc``, or ``(0.0, float("inf"))`` for a float input (ints or floats, compared as given). The pool's debug mode checks it before each replay; the fast path trusts
             it (an out-of-range index then faults or corrupts memory inside the step's kernels).
     """
 
@@ -69,7 +69,7 @@ class StepInput:
     per: Literal["token", "seq"] = PER_TOKEN
     fill: int | float = 0
     trailing: Tuple[int, ...] = field(default=())
-    bounds: Optional[Tuple[int, int]] = None
+    bounds: Optional[Tuple[float, float]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -85,7 +85,7 @@ class StepInput:
             raise ValueError(f"StepInput {self.name!r}: every trailing dimension must be >= 1, got {self.trailing}")
         _check_fill(self)
         if self.bounds is not None:
-            low, high = (int(b) for b in self.bounds)
+            low, high = _check_bounds(self)
             if not low < high:
                 raise ValueError(f"StepInput {self.name!r}: bounds must be (low, high) with low < high, "
                                  f"got {self.bounds!r}")
@@ -110,6 +110,17 @@ def _is_whole(value: object) -> bool:
     return True
 
 
+def _check_bounds(spec: StepInput) -> tuple[float, float]:
+    """``bounds`` as two real numbers, kept as given: an int() would move a float bound (0.5 -> 0)."""
+    bounds = spec.bounds
+    ok = isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and not math.isnan(b) for b in bounds)
+    if not ok:
+        raise TypeError(f"StepInput {spec.name!r}: bounds must be (low, high), two ints or floats (not NaN), "
+                        f"got {bounds!r}")
+    return bounds[0], bounds[1]
+
+
 def _check_fill(spec: StepInput) -> None:
     """Refuse a fill value that ``spec.dtype`` would silently change (0.7 in an int64 input becomes 0)."""
     fill, dtype = spec.fill, spec.dtype
@@ -119,8 +130,9 @@ def _check_fill(spec: StepInput) -> None:
     if dtype == torch.bool:
         ok = fill in (0, 1)
     elif dtype.is_floating_point:
+        # Floats round (0.9 in float32 is 0.899999976...): refuse only a finite value the dtype cannot hold.
         try:
-            ok = math.isnan(fill) or torch.tensor(float(fill), dtype=torch.float64).to(dtype).double().item() == fill
+            ok = not math.isfinite(fill) or abs(float(fill)) <= torch.finfo(dtype).max
         except OverflowError:  # an int beyond every float
             ok = False
     elif dtype.is_complex:
@@ -181,8 +193,16 @@ class KeyTable:
                 table.append(sizes[i])
             self._route[name] = table
 
-    def mode(self, name: str) -> Mode:
-        """The mode called ``name``; raises :class:`UnknownModeError` naming the known modes."""
+    def mode(self, name: str | Mode) -> Mode:
+        """The mode called ``name`` (or the pool's own :class:`Mode` object); raises :class:`UnknownModeError`
+        naming the known modes."""
+        if isinstance(name, Mode):
+            own = self.modes.get(name.name)
+            if own is not None and (own.name, own.tokens_per_seq) == (name.name, name.tokens_per_seq):
+                return own
+            raise UnknownModeError(
+                f"{name} is not one of this pool's modes {list(self.modes.values())}: pass a mode's name (a str) "
+                f"or a Mode from pool.modes")
         try:
             return self.modes[name]
         except (KeyError, TypeError):

@@ -79,7 +79,8 @@ def make_input_checker(rules: InputRules) -> Any:
         return None
     specs = rules.specs
     return ext.InputChecker(list(rules.names), [s.dtype for s in specs], [list(s.trailing) for s in specs],
-                            [s.per == "token" for s in specs], rules.device_index, rules.bs_index)
+                            [s.per == "token" for s in specs], rules.device_index, rules.bs_index,
+                            *rules.static_span, list(rules.static_starts))
 
 
 def extension_available() -> bool:

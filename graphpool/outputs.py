@@ -1,136 +1,216 @@
-"""A step's outputs: what a step may return, slicing to the real rows, and fresh containers per run.
+"""A step's outputs: what a step may return, which outputs have rows, and a fresh result per run.
 
-A step returns a tensor, or a tuple, namedtuple, list or dict (nested as deep as you like) whose leaves
-are tensors or ``None``. :class:`OutputLayout` records that structure once, at capture, as a flat list of
-leaves plus a builder, so a CUDA-graph run hands back a *fresh container* around pre-made, pre-sliced
-views: the caller may pop or rebind keys of one result without touching the next, and no tensor is made
-per run. (A flat tuple or namedtuple is immutable, so the same one is handed out every run.)
+A step returns a tensor, or a tuple, namedtuple, list or dict (subclasses included, e.g. transformers'
+``ModelOutput``; nested as deep as you like) whose leaves are tensors or ``None``.
+
+**The output rule.** Which outputs are indexed by row is *declared* at capture
+(``pool.capture(step, outputs=...)``), never guessed from shapes:
+
+* ``"token"``: the output has one row per token (``bs * tokens_per_seq`` rows in a graph); a run returns
+  the real tokens' rows.
+* ``"seq"``: one row per sequence (``bs`` rows); a run returns the real sequences' rows.
+* undeclared (or ``None``): returned whole, whatever its shape (a ``[vocab]`` vector, per-layer
+  statistics, a table of fixed size).
+
+``outputs`` is ``None`` (every output whole), one rule for every leaf (``"token"`` or ``"seq"``), or a
+mapping from output *paths* to rules. A path names a leaf or a container by its dict keys, namedtuple field
+names and tuple/list indices, joined by dots (``"logits"``, ``"hidden.0"``); a container's rule applies to
+every leaf below it. A declaration that cannot hold (a path that is not there, a ``"token"`` output whose
+first dimension is not the graph's token count) is a :class:`StepOutputError` at capture; on the eager miss
+path the same rule is checked against the real sizes.
+
+Every run hands back a new container of the step's own type around *new tensor objects* (views of the
+graph's output memory, or private copies with ``copy=True``): changing one result's keys or its tensors'
+metadata (``unsqueeze_``) never touches the next result. The memory is the graph's: the next run
+overwrites the values.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import copy as _copy
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .errors import StepOutputError
 
-Outputs = Any  # a Tensor, or a tuple/namedtuple/list/dict of Tensors (or None), nested
-Builder = Callable[[Sequence[Any]], Outputs]
+Outputs = Any  # a Tensor, or a tuple/namedtuple/list/dict (or subclass) of Tensors (or None), nested
+OutputRules = Union[None, str, Mapping[str, Optional[str]]]
+ROWS = ("token", "seq")
+_detach = torch.Tensor.detach
 
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def map_outputs(out: Outputs, fn: Callable[[torch.Tensor], torch.Tensor]) -> Outputs:
-    """Apply ``fn`` to every tensor of a step's outputs, keeping their structure (namedtuples included)."""
-    if isinstance(out, torch.Tensor):
-        return fn(out)
+def _children(out: Any) -> Optional[list[tuple[str, Any]]]:
+    """(path component, child) of a container, ``None`` for a leaf."""
     if isinstance(out, dict):
-        return {k: map_outputs(v, fn) for k, v in out.items()}
+        return [(str(k), v) for k, v in out.items()]
     if _is_namedtuple(out):
-        return type(out)(*(map_outputs(v, fn) for v in out))
+        return list(zip(type(out)._fields, out))
     if isinstance(out, (tuple, list)):
-        return type(out)(map_outputs(v, fn) for v in out)
-    return out
+        return [(str(i), v) for i, v in enumerate(out)]
+    return None
 
 
-def tensor_leaves(out: Outputs) -> list[Any]:
-    """Every tensor (or ``None``) leaf of a step's outputs, in :class:`OutputLayout`'s order."""
-    if out is None or isinstance(out, torch.Tensor):
-        return [out]
-    children = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    return [leaf for child in children for leaf in tensor_leaves(child)]
+def _join(prefix: str, part: str) -> str:
+    return f"{prefix}.{part}" if prefix else part
 
 
-def slice_outputs(out: Outputs, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> Outputs:
-    """Cut padded rows off: a first dim of ``num_tokens`` becomes ``real_tokens``, of ``bs`` becomes
-    ``real_bs``; any other tensor is returned whole."""
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        if t.shape[0] == num_tokens:
-            return t[:real_tokens]
-        if t.shape[0] == bs:
-            return t[:real_bs]
-        return t
-    return map_outputs(out, cut)
-
-
-def clone_outputs(out: Outputs) -> Outputs:
-    """Private copies of every output tensor (graph outputs are overwritten by the next replay)."""
-    return map_outputs(out, torch.Tensor.clone)
+def _describe_rule(rule: str, rows: int, what: str) -> str:
+    return f"declared per {rule}, so its first dimension must be the {what} ({rows})"
 
 
 class OutputLayout:
-    """The structure of a step's outputs, checked once: leaves in order and how to rebuild the container.
+    """The structure of a step's outputs and the row rule of each leaf, checked once at capture.
+
+    Args:
+        out: what the step returned.
+        rules: the ``outputs`` declaration (see the module docstring).
+        where: names the graph in error messages.
 
     Raises:
         StepOutputError: the step returned something other than tensors (and ``None``) in tuples,
-            namedtuples, lists and dicts.
+            namedtuples, lists and dicts, or a declared path is not among its outputs.
     """
 
-    def __init__(self, out: Outputs, where: str):
-        if out is None or not isinstance(out, (torch.Tensor, tuple, list, dict)):
+    def __init__(self, out: Outputs, rules: OutputRules, where: str):
+        if out is None or _children(out) is None and not isinstance(out, torch.Tensor):
             raise StepOutputError(f"{where}: the step function returned {type(out).__name__}; return a tensor, or a "
                                   f"tuple, namedtuple, list or dict of tensors (graph outputs must be tensors)")
-        self.leaves: list[Any] = []
-        self.renew: Callable[[Any], Outputs] | None = None  # set by _flat for flat containers
-        self.nested = True
-        self.build: Builder = self._compile(out, where, root=True)
-        if isinstance(out, torch.Tensor):
-            self.nested = False
+        self.paths: list[str] = []
+        self.leaves: list[Optional[torch.Tensor]] = []
+        self.build: Callable[[Sequence[Any]], Outputs] = self._compile(out, "", where)
+        self.rules: list[Optional[str]] = _resolve(rules, self.paths, where)
+        self._fast = self._fast_builder(out)
 
-    def prepare(self, leaves: Sequence[Any]) -> Any:
-        """What :meth:`fresh` takes for one real batch size: the built outputs, or (nested) the leaves."""
-        return leaves if self.nested else self.build(leaves)
+    @staticmethod
+    def check_declaration(rules: OutputRules) -> None:
+        """Refuse an ``outputs`` declaration of the wrong kind before anything is captured."""
+        if rules is None or isinstance(rules, str):
+            _check_rule(rules, "outputs")
+            return
+        if not isinstance(rules, Mapping):
+            raise TypeError(f"outputs must be None, 'token', 'seq' or a mapping of output paths to those, got "
+                            f"{type(rules).__name__}")
+        for path, rule in rules.items():
+            if not isinstance(path, str):
+                raise TypeError(f"outputs: paths are strings (dict keys, fields, indices joined by dots), got {path!r}")
+            _check_rule(rule, f"outputs[{path!r}]")
 
-    def fresh(self, prepared: Any) -> Outputs:
-        """The outputs a run hands back: a new container around the pre-made views (immutable ones shared)."""
-        if self.nested:
-            return self.build(prepared)
-        return prepared if self.renew is None else self.renew(prepared)
-
-    def _compile(self, out: Outputs, where: str, root: bool = False) -> Builder:
+    # ----------------------------------------------------------------------------------- structure
+    def _compile(self, out: Outputs, path: str, where: str) -> Callable[[Sequence[Any]], Outputs]:
         if out is None or isinstance(out, torch.Tensor):
             i = len(self.leaves)
             self.leaves.append(out)
+            self.paths.append(path)
             return lambda leaves: leaves[i]
-        children = list(out.values()) if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else None
-        if children is not None and root and all(c is None or isinstance(c, torch.Tensor) for c in children):
-            return self._flat(out)  # the common case, rebuilt by one C-level call per run
+        children = _children(out)
+        if children is None:
+            raise StepOutputError(f"{where}: the step's output {path or '(root)'!r} is a {type(out).__name__}; every "
+                                  f"leaf must be a tensor or None (return Python values outside the graph)")
+        parts = [self._compile(child, _join(path, name), where) for name, child in children]
+        kind = type(out)
         if isinstance(out, dict):
             keys = list(out)
-            parts = [self._compile(out[k], where) for k in keys]
-            return lambda leaves: {k: part(leaves) for k, part in zip(keys, parts)}
-        if isinstance(out, (tuple, list)):
-            parts = [self._compile(v, where) for v in out]
-            if _is_namedtuple(out):
-                make = type(out)._make
-                return lambda leaves: make([part(leaves) for part in parts])
-            kind = type(out)
-            return lambda leaves: kind([part(leaves) for part in parts])
-        raise StepOutputError(f"{where}: the step's outputs hold a {type(out).__name__}; every leaf must be a tensor "
-                              f"or None (return Python values outside the graph)")
+            if kind is dict:
+                return lambda leaves: {k: part(leaves) for k, part in zip(keys, parts)}
+            template = out  # a subclass (OrderedDict, ModelOutput): copied, then every entry replaced
 
-    def _flat(self, out: Outputs) -> Builder:
-        """A container whose children are all leaves: built once per real batch size, then renewed per
-        run by one shallow copy (C speed); immutable tuples and namedtuples are handed out as they are."""
-        self.nested = False
-        if isinstance(out, dict):
-            self.leaves.extend(out.values())
-            keys = tuple(out)
-            self.renew = dict.copy
-            return lambda leaves: dict(zip(keys, leaves))
-        self.leaves.extend(out)
+            def rebuild_mapping(leaves: Sequence[Any]) -> Outputs:
+                new = _copy.copy(template)
+                for k, part in zip(keys, parts):
+                    new[k] = part(leaves)
+                return new
+            return rebuild_mapping
         if _is_namedtuple(out):
-            return type(out)._make
-        kind = type(out)
-        if kind is not tuple:
-            self.renew = kind.copy if hasattr(kind, "copy") else kind
-        return kind
+            return lambda leaves: kind._make([part(leaves) for part in parts])
+        if kind in (tuple, list):
+            return lambda leaves: kind([part(leaves) for part in parts])
+        try:  # another tuple or list subclass: it must rebuild from its items
+            kind(list(out))
+        except Exception as exc:
+            raise StepOutputError(f"{where}: the step's output {path or '(root)'!r} is a {kind.__name__}, which cannot "
+                                  f"be rebuilt from its items ({type(exc).__name__}: {exc}); return a tuple, list, "
+                                  f"namedtuple or dict") from None
+        return lambda leaves: kind([part(leaves) for part in parts])
 
-    def sliced_leaves(self, num_tokens: int, bs: int, real_tokens: int, real_bs: int) -> tuple[Any, ...]:
-        """The leaves cut to the real rows (made once per real batch size, at capture)."""
-        return tuple(None if t is None else slice_outputs(t, num_tokens, bs, real_tokens, real_bs)
-                     for t in self.leaves)
+    def _fast_builder(self, out: Outputs) -> Optional[Callable[[Sequence[Any]], Outputs]]:
+        """One C-level call per run for the common cases: a tensor, or a plain dict, tuple, list or namedtuple
+        of tensors. ``None`` where the general builder is needed (nesting, ``None`` leaves, subclasses)."""
+        if isinstance(out, torch.Tensor):
+            return lambda views: _detach(views[0])
+        children = _children(out)
+        if any(not isinstance(child, torch.Tensor) for _, child in children):
+            return None
+        kind = type(out)
+        if kind is dict:
+            keys = tuple(out)
+            return lambda views: dict(zip(keys, map(_detach, views)))
+        if _is_namedtuple(out):
+            return lambda views: kind._make(map(_detach, views))
+        if kind in (tuple, list):
+            return lambda views: kind(map(_detach, views))
+        return None
+
+    # ----------------------------------------------------------------------------------- rows
+    def check_rows(self, leaves: Sequence[Optional[torch.Tensor]], num_tokens: int, bs: int, where: str) -> None:
+        """Raise :class:`StepOutputError` for a declared output whose rows do not fit ``num_tokens`` / ``bs``."""
+        for path, rule, t in zip(self.paths, self.rules, leaves):
+            if rule is None or t is None:
+                continue
+            rows, what = (num_tokens, "token count, bs x tokens_per_seq") if rule == "token" else (bs, "batch size")
+            if t.dim() == 0 or t.shape[0] != rows:
+                other = ("seq" if rule == "token" else "token") if t.dim() and t.shape[0] in (num_tokens, bs) else None
+                hint = (f"declare it {other!r}" if other else "leave it undeclared (returned whole)")
+                raise StepOutputError(
+                    f"{where}: output {path or '(the tensor)'!r} has shape {tuple(t.shape)}, "
+                    f"{_describe_rule(rule, rows, what)}; {hint}, or return it with {rows} rows")
+
+    def views(self, real_tokens: int, real_bs: int) -> tuple[Optional[torch.Tensor], ...]:
+        """The captured leaves cut to the real rows by their rules (made once per real batch size)."""
+        cut = {"token": real_tokens, "seq": real_bs}
+        return tuple(t if t is None or rule is None else t[:cut[rule]] for t, rule in zip(self.leaves, self.rules))
+
+    # ----------------------------------------------------------------------------------- results
+    def fresh(self, views: Sequence[Optional[torch.Tensor]]) -> Outputs:
+        """A new result around new tensor objects viewing ``views`` (the hot path of a graph run)."""
+        fast = self._fast
+        if fast is not None:
+            return fast(views)
+        return self.build([None if t is None else _detach(t) for t in views])
+
+    def copied(self, views: Sequence[Optional[torch.Tensor]]) -> Outputs:
+        """A new result holding private copies of ``views``."""
+        return self.build([None if t is None else t.clone() for t in views])
+
+
+def leaves_of(out: Outputs) -> list[Any]:
+    """Every tensor (or ``None``) leaf of a step's outputs, in :class:`OutputLayout`'s order."""
+    children = _children(out)
+    if children is None:
+        return [out]
+    return [leaf for _, child in children for leaf in leaves_of(child)]
+
+
+def _resolve(rules: OutputRules, paths: list[str], where: str) -> list[Optional[str]]:
+    """Each leaf's rule from the declaration: the rule of its longest declared path prefix."""
+    OutputLayout.check_declaration(rules)
+    if rules is None or isinstance(rules, str):
+        return [rules] * len(paths)
+    for path in rules:
+        if not any(p == path or p.startswith(path + ".") or path == "" for p in paths):
+            raise StepOutputError(f"{where}: outputs declares {path!r}, which is not among the step's outputs "
+                                  f"{paths}; paths are dict keys, namedtuple fields and indices joined by dots")
+    resolved = []
+    for p in paths:
+        best = max((d for d in rules if d == "" or p == d or p.startswith(d + ".")), key=len, default=None)
+        resolved.append(None if best is None else rules[best])
+    return resolved
+
+
+def _check_rule(rule: Any, what: str) -> None:
+    if rule is not None and rule not in ROWS:
+        raise ValueError(f"{what} must be 'token' (rows per token), 'seq' (rows per sequence) or None (returned "
+                         f"whole), got {rule!r}")

@@ -77,7 +77,10 @@ class AcceptanceGate:
 
     def record(self, committed_per_seq: float) -> bool:
         """Account one verify step's mean committed tokens per sequence; returns True when this step's
-        measurement paused speculation."""
+        measurement paused speculation. A verify step recorded during a pause (one issued before it, whose
+        result arrives late) is not counted: the probe after the pause measures ``window`` fresh steps."""
+        if self._paused_for > 0:
+            return False
         self._recent.append(committed_per_seq)
         if len(self._recent) < self.window:
             return False

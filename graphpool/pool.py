@@ -12,8 +12,14 @@ step that breaks one passes on the CPU and fails or goes silently wrong on the G
 
 Rules a caller must keep:
 
-* **Outputs** are views into graph memory, in a fresh container per run: the next :meth:`GraphPool.run`
-  overwrites the tensors (not the container). Use ``run(..., copy=True)`` or clone what you keep.
+* **Outputs: rows are declared, never guessed.** ``pool.capture(step, outputs=...)`` says which outputs
+  have one row per token (``"token"``: a run returns ``real_bs * tokens_per_seq`` rows) or per sequence
+  (``"seq"``: ``real_bs`` rows); every other output is returned whole, whatever its shape. A declaration
+  that cannot hold is a :class:`StepOutputError` at capture. The same rule runs on every path (CUDA graph,
+  eager twin, eager miss); see :mod:`graphpool.outputs` for paths into nested outputs.
+* **Outputs are views into graph memory**: each run returns a new container of the step's own type around
+  new tensor objects, but the next :meth:`GraphPool.run` overwrites their values. Use
+  ``run(..., copy=True)`` or clone what you keep.
 * **Input lifetime:** with ring staging (CUDA graphs) the GPU reads your input tensors when the step
   *executes*, possibly well after ``run`` returned. The pool holds a reference to them until then, so
   you may drop them; but do not write into them in place before the step has executed.
@@ -46,7 +52,7 @@ from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
 from .errors import (CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, NotCapturedError,
                      StaleStepError)
 from .modes import GraphKey, KeyTable, Mode, StepInput
-from .outputs import Outputs, clone_outputs
+from .outputs import OutputLayout, OutputRules, Outputs
 from .staging import make_stager
 from .routing import Router
 from .stats import PoolStats
@@ -97,6 +103,9 @@ class GraphPool:
         self._keys = KeyTable(modes, batch_sizes)
         self._rules = InputRules(inputs, self.device, modes)
         self.buffers = StaticBuffers(self._rules.specs, self._keys, self.device)
+        full = self.buffers.full
+        self._rules.bind_static(self.buffers.span, [full[n].data_ptr() for n in self._rules.names],
+                                [full[n].numel() * full[n].element_size() for n in self._rules.names])
         self.backend = make_backend(backend, self.device, memory_pool)
         self.debug = _env_flag("GRAPHPOOL_DEBUG") if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
@@ -106,6 +115,7 @@ class GraphPool:
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
+        self._outputs: OutputRules = None
         self._busy = threading.Lock()  # held inside run/stage/replay; a second thread raises at once
         self._pending: Step | None = None    # the latest staged step, not yet replayed
         self._pending_thread = 0              # the thread that staged it
@@ -148,12 +158,12 @@ class GraphPool:
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, step_fn: StepFn, prepare: PrepareFn | None = None, warmup: int = 1,
-                progress: bool = True) -> None:
+                progress: bool = True, *, outputs: OutputRules = None) -> None:
         """Capture one graph per (mode, bs), largest token count first, into one memory pool.
 
         Args:
             step_fn: the step; called as ``step_fn(batch)`` (see :class:`StepBatch`). It returns a tensor,
-                or a tuple, namedtuple, list or dict (nested) of tensors or ``None``.
+                or a tuple, namedtuple, list or dict (nested, subclasses included) of tensors or ``None``.
             prepare: optional ``prepare(batch, real_bs)``, run outside the graph after the inputs are
                 staged and before every replay (and before capture), e.g. attention metadata. With a
                 ``prepare``, staging is its own small graph replayed first; without, it is the first
@@ -161,33 +171,54 @@ class GraphPool:
             warmup: eager runs of each key before its capture.
             progress: report progress on stderr: on a terminal one line, rewritten per graph; elsewhere
                 (logs, CI) one line when the last graph is captured.
+            outputs: which outputs have rows (the output rule, see the module docstring): ``None`` (every
+                output returned whole), ``"token"`` or ``"seq"`` (every output), or a mapping from output
+                paths (``"logits"``, ``"hidden.0"``) to ``"token"``, ``"seq"`` or ``None``.
 
         Raises:
-            CaptureError: a key failed to capture (or the step returned something that is not tensors,
-                see :class:`StepOutputError`); no graph of this pool is kept, and :meth:`run` raises
+            CaptureError: a key failed to capture (or the step's outputs break the output rule, see
+                :class:`StepOutputError`, its cause); no graph of this pool is kept, and :meth:`run` raises
                 until a capture succeeds.
+            ConcurrentUseError: another thread is inside this pool.
         """
-        self._release()
+        OutputLayout.check_declaration(outputs)
+        if not self._busy.acquire(False):
+            raise ConcurrentUseError(CONCURRENT_USE)
         try:
-            entries = capture_all(self._keys, self.buffers, step_fn, prepare, warmup, self.backend, self._stager,
-                                  progress)
-        except CaptureError as exc:
             self._release()
-            self._router.failure = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
-            raise
-        self._step_fn, self._prepare, self._entries = step_fn, prepare, entries
-        self.stats.keys = {key: entries[key].stats for key in self._keys.keys}
-        self._router.build(entries, self._rules)
+            try:
+                entries = capture_all(self._keys, self.buffers, step_fn, prepare, outputs, warmup, self.backend,
+                                      self._stager, progress)
+            except CaptureError as exc:
+                self._release()
+                self._router.failure = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
+                raise
+            self._step_fn, self._prepare, self._outputs, self._entries = step_fn, prepare, outputs, entries
+            self.stats.keys = {key: entries[key].stats for key in self._keys.keys}
+            self._router.build(entries, self._rules)
+        finally:
+            self._busy.release()
 
     def close(self) -> None:
-        """Wait for queued steps, then free every graph (the pool can be captured again). Call it before
-        tearing down what the graphs use, e.g. ``torch.distributed.destroy_process_group()``: graphs that
-        hold collectives and outlive their process group can hang the process at exit."""
-        if self.captured:
-            self.synchronize()
-        self._release()
-        self._step_fn = self._prepare = None
-        self._router.failure = None  # closed, not failed: run() says "not captured"
+        """Wait for queued steps, then free every graph and drop the inputs the pool held for them (the
+        pool can be captured again). Call it before tearing down what the graphs use, e.g.
+        ``torch.distributed.destroy_process_group()``: graphs that hold collectives and outlive their process
+        group can hang the process at exit.
+
+        Raises:
+            ConcurrentUseError: another thread is inside this pool.
+        """
+        if not self._busy.acquire(False):
+            raise ConcurrentUseError(CONCURRENT_USE)
+        try:
+            if self.captured:
+                self.synchronize()
+            self._release()
+            self._stager.release()
+            self._step_fn = self._prepare = None
+            self._router.failure = None  # closed, not failed: run() says "not captured"
+        finally:
+            self._busy.release()
 
     def _release(self) -> None:
         self._router.plans, self._entries, self._pending = {}, {}, None
@@ -196,12 +227,18 @@ class GraphPool:
             self.backend.release()
 
     # ------------------------------------------------------------------------------------ steps
-    def run(self, mode: str, copy: bool = False, **inputs: torch.Tensor) -> Outputs:
-        """Run one step of ``mode`` on ``inputs`` and return ``step_fn``'s outputs sliced to the real rows.
+    def run(self, mode: str | Mode, copy: bool = False, **inputs: torch.Tensor) -> Outputs:
+        """Run one step of ``mode`` on ``inputs`` and return ``step_fn``'s outputs, the declared ones cut
+        to the real rows (the output rule: see the module docstring and :meth:`capture`).
 
         Validates the inputs, routes to the smallest captured batch size >= the real one, stages the
         inputs into the static buffers (padding the tail with each input's fill value), runs ``prepare``,
-        and replays. A fresh container around views of graph memory is returned each time.
+        and replays. Each run returns a new container of the step's type around new tensor objects.
+
+        Args:
+            mode: the mode's name (or the pool's :class:`Mode` itself).
+            copy: return private copies instead of views of graph memory.
+            inputs: every declared input, by name.
 
         .. warning:: the returned tensors are views into graph memory that the next run overwrites;
             pass ``copy=True`` for private copies.
@@ -219,13 +256,12 @@ class GraphPool:
         try:
             step = self._stage(mode, inputs)  # a step it refuses leaves a staged one intact
             self._pending = None  # a step staged earlier is stale now (this one rewrote its ring row)
-            out = self._replay(step)
             # Copies are enqueued before another thread may replay a graph over these outputs.
-            return clone_outputs(out) if copy else out
+            return self._replay(step, copy)
         finally:
             self._busy.release()
 
-    def stage(self, mode: str, **inputs: torch.Tensor) -> Step:
+    def stage(self, mode: str | Mode, **inputs: torch.Tensor) -> Step:
         """Validate and route a step and stage its inputs; :meth:`replay` runs it.
 
         With ring staging (the default for CUDA graphs) and no ``prepare``, the copy itself happens in the
@@ -248,8 +284,9 @@ class GraphPool:
         finally:
             self._busy.release()
 
-    def replay(self, step: Step) -> Outputs:
-        """Run the step from the latest :meth:`stage`: ``prepare``, then its graph (or the eager miss path)."""
+    def replay(self, step: Step, copy: bool = False) -> Outputs:
+        """Run the step from the latest :meth:`stage`: ``prepare``, then its graph (or the eager miss path).
+        Returns what :meth:`run` returns (``copy``: private copies)."""
         if not self._busy.acquire(False):
             raise ConcurrentUseError(CONCURRENT_USE)
         try:
@@ -259,17 +296,17 @@ class GraphPool:
             if self._pending_thread != threading.get_ident():
                 raise ConcurrentUseError(CONCURRENT_USE)
             self._pending = None
-            return self._replay(step)
+            return self._replay(step, copy)
         finally:
             self._busy.release()
 
-    def _stage(self, mode: str, inputs: Mapping[str, torch.Tensor]) -> Step:
+    def _stage(self, mode: str | Mode, inputs: Mapping[str, torch.Tensor]) -> Step:
         try:
             plan = self._router.plans.get(mode)
         except TypeError:  # an unhashable mode: not_ready raises UnknownModeError
             plan = None
         if plan is None:
-            self._router.not_ready(mode)
+            plan = self._router.plan_of(mode)  # a Mode object, or raises why there is no table
         mode_obj, shapes, steps = plan
         stager = self._stager
         # Every check that can refuse a step runs before its ring row is written, so a refused step leaves
@@ -292,28 +329,39 @@ class GraphPool:
             entry.stage_run()
         return step
 
-    def _replay(self, step: Step) -> Outputs:
+    def _replay(self, step: Step, copy: bool) -> Outputs:
         entry, real_bs = step.entry, step.real_bs
         batch = step.batch if entry is None else entry.batch
         if self._prepare is not None:
             self._prepare(batch, real_bs)
         if entry is None:
-            self._router.count_miss(step.mode)
-            return self._step_fn(batch)
-        stats = entry.stats
+            return self._run_miss(step, copy)
+        entry.run()
+        stats = entry.stats  # counted once the step ran: a step that raised served nothing
         stats.replays += 1
         stats.padded_rows += step.padded_rows
-        entry.run()
         if self.debug:
             self._debug_after(entry.key)
-        return entry.layout.fresh(entry.sliced[real_bs])
+        views = entry.views[real_bs]
+        return entry.layout.copied(views) if copy else entry.layout.fresh(views)
 
-    def graph(self, mode: str, bs: int) -> CapturedGraph:
+    def _run_miss(self, step: Step, copy: bool) -> Outputs:
+        """The eager miss path, under the same output rule as the graphs (checked on the real sizes)."""
+        batch = step.batch
+        out = self._step_fn(batch)
+        self._router.count_miss(step.mode)
+        where = f"eager step (mode {step.mode.name!r}, bs {batch.bs}, larger than every graph)"
+        layout = OutputLayout(out, self._outputs, where)
+        layout.check_rows(layout.leaves, batch.num_tokens, batch.bs, where)
+        return layout.copied(layout.leaves) if copy else layout.fresh(layout.leaves)
+
+    def graph(self, mode: str | Mode, bs: int) -> CapturedGraph:
         """The captured graph of key (mode, bs), for benchmarks and debugging: its ``replay()`` runs on the
         current static buffers and keeps the staging ring in step (see :class:`CapturedGraph`)."""
-        entry = self._entries.get(GraphKey(self._keys.mode(mode).name, bs))
+        name = self._keys.mode(mode).name
+        entry = self._entries.get(GraphKey(name, bs))
         if entry is None:
-            raise KeyError(f"no graph for mode {mode!r} bs {bs}; captured: {self._keys.sizes[mode]}"
+            raise KeyError(f"no graph for mode {name!r} bs {bs}; captured: {self._keys.sizes[name]}"
                            + ("" if self.captured else " (capture has not succeeded)"))
         return CapturedGraph(entry, self._replay_graph)
 
@@ -332,7 +380,7 @@ class GraphPool:
         finally:
             self._busy.release()
 
-    def can_run(self, mode: str, real_bs: int) -> bool:
+    def can_run(self, mode: str | Mode, real_bs: int) -> bool:
         """Whether a captured graph serves ``real_bs`` sequences of ``mode`` (``False`` before a capture).
 
         Raises:
@@ -341,7 +389,7 @@ class GraphPool:
         route = self.route(mode, real_bs)
         return bool(self._router.plans) and route is not None
 
-    def route(self, mode: str, real_bs: int) -> int | None:
+    def route(self, mode: str | Mode, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""
         return self._router.route(mode, real_bs)
 

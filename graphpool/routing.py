@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from .capture import Entry, Step, StepBatch
+from .capture import Entry, Step, StepBatch, StepInputs
 from .errors import BatchTooLargeError, CaptureError, NotCapturedError
 from .modes import GraphKey, KeyTable, Mode
 from .stats import PoolStats
@@ -39,6 +39,16 @@ class Router:
                                 [None] + [Step(mode, real_bs, e.batch, e) for real_bs, e in zip(sizes, serving)])
         self.failure = None
 
+    def plan_of(self, mode: object) -> Plan:
+        """The table of a step named by a :class:`Mode` object (the pool's own), or raise why there is none."""
+        if isinstance(mode, Mode):
+            plan = self.plans.get(self.keys.mode(mode).name)  # raises for a Mode the pool was not built with
+            if plan is not None:
+                return plan
+            mode = mode.name
+        self.not_ready(mode)
+        raise AssertionError("unreachable")  # not_ready always raises
+
     def not_ready(self, mode: str) -> None:
         """Raise why ``mode`` has no table: an unknown name, a failed capture, or no capture yet."""
         self.keys.mode(mode)  # raises UnknownModeError (with "did you mean") for a bad name
@@ -55,7 +65,7 @@ class Router:
                 f"mode {mode.name!r}: batch size {real_bs} is larger than the largest captured size {largest}; "
                 f"capture larger sizes (Mode({mode.name!r}, ..., batch_sizes=[..., {real_bs}])) or build the "
                 f"pool with on_miss='eager'")
-        batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, dict(inputs), captured=False)
+        batch = StepBatch(mode, real_bs, real_bs * mode.tokens_per_seq, StepInputs(inputs), captured=False)
         return Step(mode, real_bs, batch, None)
 
     def count_miss(self, mode: Mode) -> None:
@@ -64,5 +74,5 @@ class Router:
 
     def route(self, mode: str, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""
-        self.keys.mode(mode)
-        return self.keys.route(mode, real_bs) if real_bs >= 1 else None
+        name = self.keys.mode(mode).name
+        return self.keys.route(name, real_bs) if real_bs >= 1 else None

@@ -1,6 +1,6 @@
 """Getting a step's inputs into the static buffers: one object owns it, on every path.
 
-Two stagers with one interface (``checked_write``, ``write``, ``launch``, ``enqueue``, ``self_copy``,
+Two stagers with one interface (``checked_write``, ``write``, ``launch``, ``enqueue``, ``self_copy``, ``release``,
 ``in_flight``, ``check_sync``):
 
 * :class:`RingStager` (CUDA graphs): the host writes one row ``[real_bs, src_ptr...]`` of a pinned ring
@@ -73,6 +73,9 @@ class TorchStager:
 
     def check_sync(self) -> None:
         pass
+
+    def release(self) -> None:
+        pass  # holds no caller tensors
 
 
 class RingStager:
@@ -167,6 +170,10 @@ class RingStager:
         """Enqueue a captured graph that holds a staging node, and count the step."""
         replay()
         self._issued += 1
+
+    def release(self) -> None:
+        """Drop the caller tensors held for ring rows (the pool is closed: the device has consumed them)."""
+        self._held = [None] * self.slots
 
     @property
     def in_flight(self) -> int:

@@ -18,8 +18,8 @@ from .errors import (IndexBoundsError, InputDeviceError, InputDtypeError, InputL
                      InputShapeError, InputTypeError, MissingInputError)
 from .modes import Mode, StepInput
 
-#: Keyword names :meth:`GraphPool.run` takes itself; an input cannot have them.
-RESERVED = ("mode", "copy")
+#: Names :meth:`GraphPool.run` and :meth:`GraphPool.stage` take themselves; an input cannot have them.
+RESERVED = ("self", "mode", "copy")
 
 #: (rule, error raised when an input breaks it), checked in this order, input by input.
 RULES = (
@@ -32,6 +32,7 @@ RULES = (
     ("rows", InputRowsError),          # bs x tokens_per_seq rows (per token) or bs rows (per sequence)
     ("contiguous", InputLayoutError),  # one block of memory
     ("resolved", InputLayoutError),    # no lazy conjugate/negative bit (in-graph staging copies raw memory)
+    ("distinct", InputLayoutError),    # no overlap with the static buffers staging writes (its own from row 0 is fine)
 )
 
 
@@ -62,6 +63,15 @@ class InputRules:
         self.bounded = tuple((i, s) for i, s in enumerate(specs) if s.bounds is not None)
         self._dtypes = tuple(s.dtype for s in specs)
         self._cpu = device.type != "cuda"
+        self.static_span = (0, 0)  # [start, end) of the static buffers (bind_static)
+        self.static_starts: tuple[int, ...] = (0,) * len(specs)
+        self._near = (0,) * len(specs)  # per input: above this start address it may overlap the buffers
+
+    def bind_static(self, span: tuple[int, int], starts: Sequence[int], max_bytes: Sequence[int]) -> None:
+        """The static buffers staging writes: their memory ``span``, each input's own buffer start, and
+        the most bytes a staged input can have (its buffer's size): what the overlap rule needs."""
+        self.static_span, self.static_starts = tuple(span), tuple(starts)
+        self._near = tuple(span[0] - n for n in max_bytes)
 
     def shapes(self, mode: Mode, real_bs: int) -> tuple[tuple[int, ...], ...]:
         """The exact shape every input must have in a step of ``real_bs`` sequences of ``mode``."""
@@ -77,26 +87,31 @@ class InputRules:
         try:
             ordered = [inputs[name] for name in self.names]
             rows = ordered[self.bs_index].shape[0]
-        except (KeyError, AttributeError, IndexError):
-            self.explain(mode, inputs)
+        except (KeyError, AttributeError, IndexError, RuntimeError):  # RuntimeError: a nested tensor has no shape
+            self._refuse(mode, inputs)
         spec = self.specs[self.bs_index]
         real_bs = rows if spec.per == "seq" else rows // mode.tokens_per_seq
         if len(ordered) != len(inputs) or real_bs < 1:
-            self.explain(mode, inputs)
+            self._refuse(mode, inputs)
         expected = shapes[real_bs] if shapes is not None and real_bs < len(shapes) else self.shapes(mode, real_bs)
-        index, cpu = self.device_index, self._cpu
-        for t, dtype, shape in zip(ordered, self._dtypes, expected):
+        index, cpu, end = self.device_index, self._cpu, self.static_span[1]
+        for t, dtype, shape, near in zip(ordered, self._dtypes, expected, self._near):
             try:
                 if (t.dtype is not dtype or t.shape != shape or t.get_device() != index or (cpu and not t.is_cpu)
-                        or not t.is_contiguous() or t.is_conj() or t.is_neg()):
-                    self.explain(mode, inputs)
+                        or not t.is_contiguous() or t.is_conj() or t.is_neg() or near < t.data_ptr() < end):
+                    self.explain(mode, inputs)  # the last test only says "maybe overlapping": explain decides
             except (AttributeError, RuntimeError):  # not a tensor; a nested tensor has no shape
-                self.explain(mode, inputs)
+                self._refuse(mode, inputs)
         return real_bs, ordered
+
+    def _refuse(self, mode: Mode, inputs: Mapping[str, Any]) -> None:
+        self.explain(mode, inputs)
+        raise AssertionError(f"the fast checks refused a step that breaks none of the rules {[r for r, _ in RULES]}")
 
     # -------------------------------------------------------------------------------- explaining
     def explain(self, mode: Mode, inputs: Mapping[str, Any]) -> None:
-        """Raise the typed error of the first rule of :data:`RULES` that ``inputs`` break."""
+        """Raise the typed error of the first rule of :data:`RULES` that ``inputs`` break; return if none
+        is broken (the fast checks only suspected an overlap with the static buffers)."""
         missing = [n for n in self.names if n not in inputs]
         unknown = sorted(set(inputs) - set(self.names))
         if missing or unknown:
@@ -114,7 +129,7 @@ class InputRules:
             if real_bs is None:
                 rows = t.shape[0]
                 real_bs = rows if spec.per == "seq" else rows // mode.tokens_per_seq
-        raise AssertionError(f"the fast checks refused a step that breaks none of the rules {[r for r, _ in RULES]}")
+        return None  # every rule holds (an input only near the static buffers, not overlapping them)
 
     def _problem(self, rule: str, mode: Mode, spec: StepInput, t: Any, real_bs: int | None) -> str:
         name = spec.name
@@ -129,17 +144,37 @@ class InputRules:
         if rule == "device" and (t.get_device() != self.device_index or (self._cpu and not t.is_cpu)):
             return f"input {name!r} is on {t.device}, the pool on {self.device}; move it with .to({str(self.device)!r})"
         if rule == "trailing" and (t.dim() != 1 + len(spec.trailing) or tuple(t.shape[1:]) != spec.trailing):
+            flat = ""
+            if t.dim() > 1 + len(spec.trailing) and tuple(t.shape[t.dim() - len(spec.trailing):]) == spec.trailing:
+                shape = ", ".join(["-1", *map(str, spec.trailing)])
+                flat = (f"; rows are flat ({'tokens of every sequence, bs x tokens_per_seq' if spec.per == 'token' else 'sequences'}"
+                        f"): pass {name}.reshape({shape})")
             return (f"input {name!r} has shape {tuple(t.shape)}: declared rows x {spec.trailing}, so its trailing "
-                    f"shape must be {spec.trailing}")
+                    f"shape must be {spec.trailing}{flat}")
         if rule == "rows":
             return self._rows_problem(mode, spec, t, real_bs)
         if rule == "contiguous" and not t.is_contiguous():
             return f"input {name!r} is not contiguous (strides {t.stride()}); pass {name}.contiguous()"
+        if rule == "distinct":
+            return self._overlap_problem(spec, t)
         if rule == "resolved" and (t.is_conj() or t.is_neg()):
             return (f"input {name!r} is a lazily {'conjugated' if t.is_conj() else 'negated'} view (its memory holds "
                     f"the values before {'conj()' if t.is_conj() else 'negation'}); pass "
                     f"{name}.{'resolve_conj' if t.is_conj() else 'resolve_neg'}()")
         return ""
+
+    def _overlap_problem(self, spec: StepInput, t: torch.Tensor) -> str:
+        start, end = self.static_span
+        p = t.data_ptr()
+        if not (p < end and p + t.numel() * t.element_size() > start):
+            return ""
+        own = self.static_starts[self.names.index(spec.name)]
+        if p == own:
+            return ""  # its own static buffer from row 0: staging copies each row onto itself
+        return (f"input {spec.name!r} shares memory with the pool's static buffers (a view of pool.static_inputs at "
+                f"an offset, or of another input's buffer): staging would overwrite what it reads. Pass a copy "
+                f"({spec.name}.clone()), or, to stage without a copy, write into "
+                f"pool.static_inputs[{spec.name!r}] from row 0 and pass that view")
 
     def _rows_problem(self, mode: Mode, spec: StepInput, t: torch.Tensor, real_bs: int | None) -> str:
         tps, got = mode.tokens_per_seq, t.shape[0]

@@ -32,3 +32,14 @@ def test_gate_refuses_a_break_even_that_cannot_be_one():
     for bad in ({"min_accept": 1.0}, {"min_accept": 2.0, "window": 0}, {"min_accept": 2.0, "pause_steps": 0}):
         with pytest.raises(ValueError, match="min_accept > 1"):
             AcceptanceGate(**bad)
+
+
+def test_gate_ignores_verify_steps_recorded_during_a_pause():
+    """Verify steps issued before a pause report late (run-ahead); before, three of them filled the window
+    and the first probe step was judged at once (mean 1.10) and paused again."""
+    gate = AcceptanceGate(1.5, window=4, pause_steps=2)
+    assert [gate.record(1.1) for _ in range(4)] == [False, False, False, True] and gate.paused
+    assert not any(gate.record(1.1) for _ in range(3))  # in flight when the pause began
+    assert [gate.allow() for _ in range(3)] == [False, False, True]
+    assert [gate.record(1.1) for _ in range(4)] == [False, False, False, True]  # judged after 4 fresh steps
+    assert gate.pauses == 2

@@ -24,6 +24,7 @@ VERIFY_TOKENS = 16
 NUM_SLOTS = 4096
 DUMMY_SLOT = 0  # padded rows write the KV stand-in here; real rows never use it
 FEAT = 3
+TOY_OUTPUTS = {"logits": "token", "pooled": "seq"}  # ToyStep's rows: one logits row per token, one pooled per sequence
 
 
 def make_inputs() -> list[gp.StepInput]:
@@ -81,7 +82,7 @@ def build(device: str, **kwargs) -> tuple[gp.GraphPool, ToyStep]:
     modes = [gp.Mode("decode", 1), gp.Mode("verify", VERIFY_TOKENS)]
     pool = gp.GraphPool(modes, make_inputs(), SIZES, device=device, **kwargs)
     step = ToyStep(device)
-    pool.capture(step, progress=False)
+    pool.capture(step, progress=False, outputs=TOY_OUTPUTS)
     return pool, step
 
 
@@ -208,13 +209,15 @@ def test_run_before_capture_and_failed_capture(device):
             raise RuntimeError("kernel not available for this shape")
         return step(batch)
 
-    with pytest.raises(gp.CaptureError, match=r"mode 'verify', bs 1\) failed: RuntimeError: kernel not available"
-                                              r"(.|\n)*No graph of this pool was kept(.|\n)*1\. run the step eagerly"):
-        pool.capture(breaks_on_small_verify, progress=False)
+    with pytest.raises(gp.CaptureError, match=r"mode 'verify', bs 1\) failed on the \w+ backend: RuntimeError: kernel not available"
+                                              r"(.|\n)*No graph of this pool was kept(.|\n)*StaticCache") as info:
+        pool.capture(breaks_on_small_verify, progress=False, outputs=TOY_OUTPUTS)
+    # The remedies fit the backend: the eager twin is not told to try the eager backend.
+    assert ("backend='eager'" in str(info.value)) == (device == "cuda") and ".." not in str(info.value)
     assert not pool.captured and not pool.stats.keys
     with pytest.raises(gp.CaptureError, match=r"last capture failed \(RuntimeError: kernel not available"):
         pool.run("decode", **inputs)
-    pool.capture(step, progress=False)  # a good capture makes the pool usable again
+    pool.capture(step, progress=False, outputs=TOY_OUTPUTS)  # a good capture makes the pool usable again
     check_step(pool, step, device, "verify", 3, rng)
     check_step(pool, step, device, "decode", 2, rng)
 
@@ -273,7 +276,7 @@ def test_prepare_sees_staged_inputs_before_replay(setup):
         out = step(batch)
         return {"pooled": out["pooled"] + metadata}
 
-    pool.capture(step_with_metadata, prepare=prepare, progress=False)
+    pool.capture(step_with_metadata, prepare=prepare, progress=False, outputs="seq")
     rng = random.Random(11)
     for mode_name, bs in [("verify", 3), ("decode", 5), ("verify", 8), ("decode", 1), ("verify", 11)]:
         seen.clear()
@@ -293,9 +296,23 @@ def test_cpp_checker_agrees_with_python_checks():
     from graphpool.validation import InputRules
     if not extension_available():
         pytest.skip("the C++ extension did not build here")
+    from graphpool.buffers import StaticBuffers
+    from graphpool.modes import KeyTable
     modes = {"decode": gp.Mode("decode", 1), "verify": gp.Mode("verify", 4)}
     rules = InputRules(make_inputs(), torch.device("cpu"), list(modes.values()))
+    static = StaticBuffers(rules.specs, KeyTable(list(modes.values()), [8, 12]), torch.device("cpu"))
+    full = static.full
+    rules.bind_static(static.span, [full[n].data_ptr() for n in rules.names],
+                      [full[n].numel() * full[n].element_size() for n in rules.names])
     checker = make_input_checker(rules)
+
+    def own_buffer(x):  # the static buffer itself, from row 0: allowed (staging copies it onto itself)
+        full["positions"][:x["positions"].shape[0]] = x["positions"]
+        x["positions"] = full["positions"][:x["positions"].shape[0]]
+
+    def aliased(x, name="positions", into="input_ids"):  # overlaps a static buffer: refused
+        rows = x[name].shape[0]
+        x[name] = full[into][1:1 + rows] if rows < full[into].shape[0] else full["out_cache_loc"][:rows]
     row = torch.zeros(1 + len(rules.specs), dtype=torch.int64)
     rng = random.Random(42)
     mutations = [
@@ -313,6 +330,8 @@ def test_cpp_checker_agrees_with_python_checks():
         lambda x: x.update(positions=torch._neg_view(x["positions"])),  # contiguous, but lazily negated
         lambda x: x.update(features=x["features"].to_sparse()),  # sparse: no flat rows to copy
         lambda x: x.update(input_ids=torch.nested.nested_tensor(list(x["input_ids"].split(1)))),  # nested
+        lambda x: x.update(seq_lens=torch.nested.nested_tensor(list(x["seq_lens"].split(1)))),  # nested, bs input
+        own_buffer, aliased, lambda x: aliased(x, "positions", "positions"),
         lambda x: None,  # valid
     ]
     for trial in range(300):
@@ -343,7 +362,7 @@ def test_eager_twin_works_without_triton():
             "pool = gp.GraphPool([gp.Mode('decode', 1), gp.Mode('verify', 4)],\n"
             "                    [gp.StepInput('ids', torch.int64, 'token'), gp.StepInput('lens', torch.int32, 'seq', fill=1)],\n"
             "                    [2, 4], device='cpu', fast_checks=False)\n"
-            "pool.capture(lambda b: b.inputs['ids'] * 2, progress=False)\n"
+            "pool.capture(lambda b: b.inputs['ids'] * 2, progress=False, outputs='token')\n"
             "out = pool.run('verify', ids=torch.arange(12), lens=torch.ones(3, dtype=torch.int32))\n"
             "assert torch.equal(out, torch.arange(12) * 2), out\n"
             "assert pool.static_inputs['lens'].tolist() == [1, 1, 1, 1]\n"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import graphpool as gp
-from test_pool import ToyStep, eager_reference, make_inputs, random_step
+from test_pool import TOY_OUTPUTS, ToyStep, eager_reference, make_inputs, random_step
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 RING_SETUPS = [pytest.param(("cpu", "ring"), marks=pytest.mark.interpreter), ("cpu", "torch"), pytest.param(("cuda", "ring"), marks=pytest.mark.gpu)]
@@ -29,7 +29,7 @@ SIZES = [1, 2, 4, 8]
 def pool_for(device: str, staging: str = "auto", **kwargs) -> tuple[gp.GraphPool, ToyStep]:
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device, staging=staging, **kwargs)
     step = ToyStep(device)
-    pool.capture(step, progress=False)
+    pool.capture(step, progress=False, outputs=TOY_OUTPUTS)
     return pool, step
 
 
@@ -62,7 +62,7 @@ def test_a_step_that_raises_midway_does_not_shift_later_steps(setup):
     rng = random.Random(0)
     # On CUDA the step function is not called at replay (the graph is); only `prepare` can raise there.
     for hook in ((prepare,) if device == "cuda" else (None, prepare)):
-        pool.capture(step, prepare=hook, progress=False)
+        pool.capture(step, prepare=hook, progress=False, outputs=TOY_OUTPUTS)
         for i in range(6):
             fail["on"] = True
             with pytest.raises(RuntimeError, match="failed"):
@@ -125,7 +125,7 @@ def test_each_run_returns_its_own_container(device):
 def test_namedtuple_outputs_stay_namedtuples(device):
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device)
     toy = ToyStep(device)
-    pool.capture(lambda b: Pair(**toy(b)), progress=False)
+    pool.capture(lambda b: Pair(**toy(b)), progress=False, outputs=TOY_OUTPUTS)
     rng = random.Random(4)
     for mode, bs in (("verify", 3), ("decode", 6)):
         inputs = random_step(pool.modes[mode], bs, device, rng)
@@ -176,7 +176,7 @@ def test_a_lazily_conjugated_input_is_refused_not_staged_unconjugated(setup):
     device, staging = setup
     pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("z", torch.complex64, "seq")], [1, 4], device=device,
                         staging=staging)
-    pool.capture(lambda batch: batch.inputs["z"] * 2, progress=False)
+    pool.capture(lambda batch: batch.inputs["z"] * 2, progress=False, outputs="seq")
     z = torch.randn(3, dtype=torch.complex64, device=device)
     with pytest.raises(gp.InputLayoutError, match=r"'z' is a lazily conjugated view .* z.resolve_conj\(\)"):
         pool.run("decode", z=z.conj())
@@ -187,7 +187,7 @@ def test_a_lazily_conjugated_input_is_refused_not_staged_unconjugated(setup):
 @pytest.mark.parametrize("returned", [None, 3, "logits", [torch.zeros(1), 2.0]], ids=["None", "int", "str", "list-float"])
 def test_a_step_returning_non_tensors_fails_at_capture(device, returned):
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device)
-    with pytest.raises(gp.CaptureError, match=r"the step( function returned|'s outputs hold a)") as info:
+    with pytest.raises(gp.CaptureError, match=r"the step( function returned|'s output '1' is a float)") as info:
         pool.capture(lambda b: returned if not isinstance(returned, list) else [returned[0].to(device), 2.0],
                      progress=False)
     assert isinstance(info.value.__cause__, gp.StepOutputError) and not pool.captured
@@ -200,7 +200,7 @@ def test_debug_mode_refuses_out_of_range_indices_before_the_replay(device):
               for s in make_inputs()]
     pool = gp.GraphPool(MODES, inputs, SIZES, device=device, debug=True)
     toy = ToyStep(device)
-    pool.capture(toy, progress=False)
+    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
     rng = random.Random(7)
     bad = random_step(MODES[1], 2, device, rng)
     bad["out_cache_loc"][5] = 4096 + 17
@@ -327,7 +327,7 @@ def _bounded_pool(device: str, staging: str, debug: bool) -> tuple[gp.GraphPool,
                           bounds=(0, 4096) if s.name == "out_cache_loc" else None) for s in make_inputs()]
     pool = gp.GraphPool(MODES, specs, SIZES, device=device, staging=staging, on_miss="raise", debug=debug)
     toy = ToyStep(device)
-    pool.capture(toy, progress=False)
+    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
     return pool, toy
 
 
@@ -372,7 +372,7 @@ def test_a_refused_step_leaves_the_staged_step_intact_with_the_cpp_checker(debug
 def test_can_run_is_false_before_a_capture():
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
     assert pool.route("decode", 3) == 4 and not pool.can_run("decode", 3)
-    pool.capture(ToyStep("cpu"), progress=False)
+    pool.capture(ToyStep("cpu"), progress=False, outputs=TOY_OUTPUTS)
     assert pool.can_run("decode", 3) and not pool.can_run("decode", 9)
 
 
@@ -443,7 +443,7 @@ def test_close_frees_the_graphs_and_capture_works_again(device):
     assert not pool.captured and not pool.stats.keys
     with pytest.raises(gp.NotCapturedError):
         pool.run("decode", **random_step(MODES[0], 2, device, random.Random(11)))
-    pool.capture(toy, progress=False)
+    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
     assert_step_exact(pool, toy, device, "verify", 3, random.Random(12), "after close and capture")
 
 
@@ -470,7 +470,7 @@ def test_a_pool_built_under_inference_mode_stages_outside_it():
     with torch.inference_mode():
         pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
     toy = ToyStep("cpu")
-    pool.capture(toy, progress=False)
+    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
     assert_step_exact(pool, toy, "cpu", "verify", 3, random.Random(21))
 
 
@@ -491,7 +491,7 @@ def test_a_graph_handle_refuses_to_replay_once_its_graph_is_freed(device):
     pool.close()
     with pytest.raises(gp.NotCapturedError, match="pool.graph"):
         old.replay()
-    pool.capture(toy, progress=False)
+    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
     with pytest.raises(gp.NotCapturedError):
         old.replay()  # a new capture made new graphs: the old handle's is gone
     pool.graph("decode", 2).replay()
@@ -502,7 +502,7 @@ def test_an_unknown_mode_raises_from_can_run_before_and_after_capture():
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")
     with pytest.raises(gp.UnknownModeError):
         pool.can_run("decod", 1)
-    pool.capture(ToyStep("cpu"), progress=False)
+    pool.capture(ToyStep("cpu"), progress=False, outputs=TOY_OUTPUTS)
     with pytest.raises(gp.UnknownModeError):
         pool.can_run("decod", 1)
 
@@ -578,7 +578,7 @@ def test_a_step_whose_outputs_change_shape_is_refused(device):
 
     pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("input_ids", torch.int64)], [1, 2, 4, 8],
                         device=device)
-    pool.capture(step, progress=False)
+    pool.capture(step, progress=False, outputs="token")
     captured["done"] = True
     run = lambda: pool.run("decode", input_ids=torch.arange(4, device=device))  # noqa: E731
     if device == "cpu":

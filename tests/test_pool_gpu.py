@@ -17,7 +17,7 @@ def graph_bytes(modes: list[gp.Mode]) -> int:
     device = torch.device("cuda")
     step = default_step.make(device, max_tokens=16 * SIZES[-1], hidden=1024)
     pool = gp.GraphPool(modes, step.inputs, SIZES, device=device)
-    pool.capture(step.step_fn, progress=False)
+    pool.capture(step.step_fn, progress=False, outputs=step.outputs)
     nbytes = pool.stats.graph_bytes
     del pool, step
     torch.cuda.synchronize()
@@ -52,7 +52,7 @@ def test_host_runs_ahead_of_queued_steps(ring_slots):
     step = pure_step(torch.randn(1, 256, device=device))
     modes = [gp.Mode("decode", 1), gp.Mode("verify", 16)]
     pool = gp.GraphPool(modes, sampler.inputs, [1, 2, 4, 8, 16], device=device, ring_slots=ring_slots)
-    pool.capture(step, progress=False)
+    pool.capture(step, progress=False, outputs="token")
     rng = random.Random(0)
     plan = [(rng.choice(modes), rng.randint(1, 16)) for _ in range(300)]
     inputs = [sampler.sample(mode, bs) for mode, bs in plan]
@@ -79,7 +79,7 @@ def test_ten_thousand_steps_run_ahead_with_inputs_dropped_and_cache_emptied(ring
     step = pure_step(torch.randn(1, 256, device=device))
     modes = [gp.Mode("decode", 1), gp.Mode("verify", 16)]
     pool = gp.GraphPool(modes, sampler.inputs, [1, 2, 4, 8, 16], device=device, ring_slots=ring_slots)
-    pool.capture(step, progress=False)
+    pool.capture(step, progress=False, outputs="token")
     rng = random.Random(ring_slots)
     kept, outs, lag = [], [], 0
     torch.cuda.synchronize()

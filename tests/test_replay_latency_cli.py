@@ -50,7 +50,7 @@ def _pool(device: str) -> tuple[gp.GraphPool, default_step.BenchStep]:
     step = default_step.make(torch.device(device), max_tokens=64, hidden=32, vocab=64, layers=1)
     pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 16)], step.inputs, [1, 2, 4], device=device,
                         staging="torch")
-    pool.capture(step.step_fn, progress=False)
+    pool.capture(step.step_fn, progress=False, outputs=step.outputs)
     return pool, step
 
 

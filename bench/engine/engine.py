@@ -108,6 +108,9 @@ class Engine:
                  "fused" if self.target.fused else "torch")
 
     # ------------------------------------------------------------------------------------- the pool
+    #: Every step returns one value per sequence (new tokens, accept lengths, rows): the pool's output rule.
+    OUTPUTS = "seq"
+
     def modes(self) -> list[Mode]:
         """decode (1 token/seq), verify (``num_draft_tokens``/seq), prefill (the prompt but its last token)."""
         return [Mode("decode", 1), Mode("verify", self.spec.num_draft_tokens), Mode("prefill", self.prompt_len - 1)]

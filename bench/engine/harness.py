@@ -52,7 +52,7 @@ def build(cfg: ModelConfig, spec: SpecConfig, batch_sizes: list[int], prompt_len
     if tp is not None:
         tp.track(pool)
         prepare = tp.guard(prepare)
-    pool.capture(engine.step, prepare=prepare, progress=progress)
+    pool.capture(engine.step, prepare=prepare, progress=progress, outputs=engine.OUTPUTS)
     log.info("captured %d graphs in %.1f s (%s backend)", len(pool.graph_keys), time.perf_counter() - started,
              pool.stats.backend)
     return engine, pool

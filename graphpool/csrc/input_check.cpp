@@ -18,13 +18,17 @@ struct InputChecker {
   std::vector<bool> per_token;
   int64_t device_index;                     // -1: CPU
   int64_t bs_index;                         // the input the real batch size is read from
+  int64_t static_start, static_end;         // the memory of every static buffer: inputs must not overlap it
+  std::vector<int64_t> own_start;           // ... except each input's own buffer from row 0 (a copy onto itself)
   mutable std::vector<int64_t> pointers;    // scratch: the row is written only once every input fits
 
   InputChecker(std::vector<std::string> names_, std::vector<at::ScalarType> dtypes_,
                std::vector<std::vector<int64_t>> trailing_, std::vector<bool> per_token_,
-               int64_t device_index_, int64_t bs_index_)
+               int64_t device_index_, int64_t bs_index_, int64_t static_start_, int64_t static_end_,
+               std::vector<int64_t> own_start_)
       : dtypes(std::move(dtypes_)), trailing(std::move(trailing_)), per_token(std::move(per_token_)),
-        device_index(device_index_), bs_index(bs_index_) {
+        device_index(device_index_), bs_index(bs_index_), static_start(static_start_), static_end(static_end_),
+        own_start(std::move(own_start_)) {
     for (auto& n : names_) names.push_back(py::reinterpret_steal<py::object>(PyUnicode_InternFromString(n.c_str())));
   }
 
@@ -56,7 +60,11 @@ struct InputChecker {
       if (t.scalar_type() != dtypes[i] || !t.is_contiguous()) return -(i + 1);
       if (t.is_conj() || t.is_neg()) return -(i + 1);  // lazy views: the staging kernel copies raw memory
       if (device_index < 0 ? !t.is_cpu() : (!t.is_cuda() || t.get_device() != device_index)) return -(i + 1);
-      pointers[i] = reinterpret_cast<int64_t>(t.data_ptr());
+      const int64_t p = reinterpret_cast<int64_t>(t.data_ptr());
+      // Staging reads this memory while it writes the static buffers: any overlap but a copy onto itself races.
+      if (p < static_end && p + t.numel() * static_cast<int64_t>(t.element_size()) > static_start && p != own_start[i])
+        return -(i + 1);
+      pointers[i] = p;
     }
     if (row_address != 0) {
       int64_t* row = reinterpret_cast<int64_t*>(row_address);
@@ -72,7 +80,7 @@ struct InputChecker {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<InputChecker>(m, "InputChecker")
       .def(py::init<std::vector<std::string>, std::vector<at::ScalarType>, std::vector<std::vector<int64_t>>,
-                    std::vector<bool>, int64_t, int64_t>())
+                    std::vector<bool>, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>())
       .def("check", &InputChecker::check, py::arg("inputs"), py::arg("tokens_per_seq"), py::arg("row_address"),
            py::arg("max_bs") = std::numeric_limits<int64_t>::max());
 }

@@ -119,13 +119,15 @@ def pool_graphs(pool: GraphPool) -> Dict[GraphId, Any]:
 def capture_graphs(runner: Any) -> None:
     """Both runners' ``capture``: every (forward mode, batch size), largest token count first, into the
     shared pool, inside the runner's ``_capture_context()``; ``runner._prepare_capture`` sees
-    ``runner._capturing`` set. Sets ``runner.graphs``."""
+    ``runner._capturing`` set. Sets ``runner.graphs``. The step returns ``runner.output_names``, each with
+    one row per token: SGLang's own runners cut every one of them to the real token count."""
     runner._capture_batches.clear()
     runner.output_buffers.clear()
     runner._capturing = True
     try:
         with runner._capture_context():
-            runner.pool.capture(runner._run_model, prepare=runner._prepare_capture, progress=False)
+            runner.pool.capture(runner._run_model, prepare=runner._prepare_capture, progress=False,
+                                outputs=dict.fromkeys(runner.output_names, "token"))
     finally:
         runner._capturing = False
     runner.graphs = pool_graphs(runner.pool)

@@ -198,6 +198,9 @@ class MultiModeCudaGraphRunner:
             num_draft_tokens=self.speculative_num_draft_tokens,
             topk=self.model_runner.server_args.speculative_eagle_topk)
 
+    #: What :meth:`_run_model` returns, each with one row per token (the pool's output rule).
+    output_names = ("next_token_logits", "hidden_states")
+
     def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
         """The pool's step function: the model's forward on the key's static ForwardBatch."""
         graph_id = (ForwardMode[batch.mode.name.upper()], batch.bs)

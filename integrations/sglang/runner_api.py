@@ -180,6 +180,9 @@ class MultiModeDecodeRunner:
         info.hidden_states = torch.zeros((num_tokens, mc.hidden_size), dtype=mc.dtype, device=self.device)
         return info
 
+    #: What :meth:`_run_model` returns, each with one row per token (the pool's output rule).
+    output_names = _SLICED_OUTPUTS
+
     def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
         """The pool's step function: in-graph attention metadata, then the model on the key's ForwardBatch."""
         graph_id = (common.forward_mode_of(batch), batch.bs)

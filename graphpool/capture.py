@@ -21,7 +21,7 @@ from .backends import CudaGraphBackend, EagerBackend
 from .buffers import StaticBuffers
 from .errors import CaptureError, StepOutputError
 from .modes import GraphKey, KeyTable, Mode
-from .outputs import OutputLayout, OutputRules, Outputs
+from .outputs import FreshViews, OutputLayout, OutputRules, Outputs
 from .stats import KeyStats
 
 log = logging.getLogger("graphpool")
@@ -109,7 +109,7 @@ class Step:
 
 def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn],
                 outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
-                progress: bool) -> dict[GraphKey, Entry]:
+                progress: bool, fresh: Optional[FreshViews] = None) -> dict[GraphKey, Entry]:
     """Capture every key, largest token count first (later, smaller graphs reuse the earlier ones' freed
     blocks of the shared memory pool). Raises :class:`CaptureError` (the cause attached) on any failure."""
     order = keys.capture_order()
@@ -119,7 +119,7 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
         with _frozen_gc():
             for i, key in enumerate(order, 1):
                 batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), StepInputs(buffers.views[key]))
-                entries[key] = capture_key(key, batch, step_fn, prepare, outputs, warmup, backend, stager)
+                entries[key] = capture_key(key, batch, step_fn, prepare, outputs, warmup, backend, stager, fresh)
                 if progress:
                     _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
     except Exception as exc:
@@ -130,7 +130,8 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
 
 
 def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn],
-                outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any) -> Entry:
+                outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
+                fresh: Optional[FreshViews] = None) -> Entry:
     """Warm up and capture ``key``. With ``prepare``, staging is its own small graph (``prepare`` must see
     the staged inputs); without, it is the first node of the step's graph."""
     entry = Entry(key, batch, KeyStats())
@@ -161,7 +162,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
         prepare(batch, key.bs)
     stager.self_copy(key)
     graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
-    entry.layout = _checked_layout(out, outputs, batch, where)
+    entry.layout = _checked_layout(out, outputs, batch, where, fresh)
     entry.run = _enqueue(backend, graph, stager, stages=in_graph)
     entry.stats.capture_s = time.perf_counter() - started
     entry.stats.graph_bytes = graph_bytes + nbytes
@@ -172,8 +173,9 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     return entry
 
 
-def _checked_layout(out: Outputs, outputs: OutputRules, batch: StepBatch, where: str) -> OutputLayout:
-    layout = OutputLayout(out, outputs, where)
+def _checked_layout(out: Outputs, outputs: OutputRules, batch: StepBatch, where: str,
+                    fresh: Optional[FreshViews] = None) -> OutputLayout:
+    layout = OutputLayout(out, outputs, where, fresh)
     layout.check_rows(layout.leaves, batch.num_tokens, batch.bs, where)
     return layout
 

@@ -83,9 +83,16 @@ def make_input_checker(rules: InputRules) -> Any:
                             *rules.static_span, list(rules.static_starts))
 
 
+def fresh_functions() -> Any:
+    """The extension's ``(fresh_views, fresh_dict)``, what :class:`graphpool.outputs.OutputLayout` makes each
+    result's new tensor objects with (~3x cheaper than ``detach`` from Python), or ``None`` without it."""
+    ext = _extension()
+    return None if ext is None else (ext.fresh_views, ext.fresh_dict)
+
+
 def extension_available() -> bool:
     """Whether the C++ checker builds (or is cached) here; builds it if needed."""
     return _extension() is not None
 
 
-__all__ = ["make_input_checker", "extension_available"]
+__all__ = ["make_input_checker", "fresh_functions", "extension_available"]

@@ -52,6 +52,7 @@ from .capture import CapturedGraph, Entry, PrepareFn, Step, StepFn, capture_all
 from .errors import (CONCURRENT_USE, CaptureError, ConcurrentUseError, DeviceFaultError, NotCapturedError,
                      StaleStepError)
 from .modes import GraphKey, KeyTable, Mode, StepInput
+from .native import fresh_functions
 from .outputs import OutputLayout, OutputRules, Outputs
 from .staging import make_stager
 from .routing import Router
@@ -112,6 +113,8 @@ class GraphPool:
         self._stager = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers, self._keys,
                                    self._rules, self.synchronize, ring_slots, fast_checks)
         self._router = Router(self._keys, on_miss, self.stats)
+        # New tensor objects per result at C++ speed where the C++ checker is built (CUDA pools, fast_checks).
+        self._fresh = fresh_functions() if fast_checks and isinstance(self.backend, CudaGraphBackend) else None
         self._entries: dict[GraphKey, Entry] = {}
         self._step_fn: StepFn | None = None
         self._prepare: PrepareFn | None = None
@@ -188,7 +191,7 @@ class GraphPool:
             self._release()
             try:
                 entries = capture_all(self._keys, self.buffers, step_fn, prepare, outputs, warmup, self.backend,
-                                      self._stager, progress)
+                                      self._stager, progress, self._fresh)
             except CaptureError as exc:
                 self._release()
                 self._router.failure = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
@@ -353,7 +356,7 @@ class GraphPool:
         where = f"eager step (mode {step.mode.name!r}, bs {batch.bs}, larger than every graph)"
         layout = OutputLayout(out, self._outputs, where)
         layout.check_rows(layout.leaves, batch.num_tokens, batch.bs, where)
-        return layout.copied(layout.leaves) if copy else layout.fresh(layout.leaves)
+        return layout.copied(layout.leaves) if copy else layout.fresh(tuple(layout.leaves))
 
     def graph(self, mode: str | Mode, bs: int) -> CapturedGraph:
         """The captured graph of key (mode, bs), for benchmarks and debugging: its ``replay()`` runs on the

@@ -213,7 +213,7 @@ def test_run_before_capture_and_failed_capture(device):
                                               r"(.|\n)*No graph of this pool was kept(.|\n)*StaticCache") as info:
         pool.capture(breaks_on_small_verify, progress=False, outputs=TOY_OUTPUTS)
     # The remedies fit the backend: the eager twin is not told to try the eager backend.
-    assert ("backend='eager'" in str(info.value)) == (device == "cuda") and ".." not in str(info.value)
+    assert ("backend='eager'" in str(info.value)) == (device == "cuda") and "for this shape. No graph" in str(info.value)
     assert not pool.captured and not pool.stats.keys
     with pytest.raises(gp.CaptureError, match=r"last capture failed \(RuntimeError: kernel not available"):
         pool.run("decode", **inputs)

@@ -61,9 +61,8 @@ def bad_inputs(kind: str, good: dict, pool: gp.GraphPool) -> tuple[str, dict, ty
     if kind == "layout":
         x["features"] = x["features"].t().contiguous().t()
         return "verify", x, gp.InputLayoutError
-    if kind == "alias":  # a view into a static buffer at an offset: staging would overwrite what it reads
-        rows = x["positions"].shape[0]
-        x["positions"] = pool.static_inputs["positions"][1:1 + rows]
+    if kind == "alias":  # a view into another input's static buffer: staging would overwrite what it reads
+        x["positions"] = pool.static_inputs["input_ids"][:x["positions"].shape[0]]
         return "verify", x, gp.InputLayoutError
     if kind == "nested":  # the input the batch size is read from
         x["seq_lens"] = torch.nested.nested_tensor(list(x["seq_lens"].split(1)))

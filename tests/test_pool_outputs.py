@@ -162,3 +162,23 @@ def test_two_results_never_share_a_tensor_object(device, kind):
     c = pool.run("verify", **random_step(MODES[1], 3, device, rng))
     assert first_tensor(c).shape == (6, 5), first_tensor(c).shape
     assert first_tensor(b).shape == (6, 5)
+
+
+def test_the_cpp_fresh_views_are_new_objects_over_the_same_memory():
+    """CUDA pools make each result's tensor objects in C++ (the input checker's extension): the same promise."""
+    from graphpool.native import fresh_functions
+    fresh = fresh_functions()
+    if fresh is None:
+        pytest.skip("the C++ extension did not build here")
+    fresh_views, fresh_dict = fresh
+    logits, tokens = torch.randn(8, 4), torch.arange(8)
+    views = (logits[:3], None, tokens[:3])
+    for made in (fresh_views(views), list(fresh_dict(("a", "b"), (views[0], views[2])).values())):
+        made = [t for t in made if t is not None]
+        assert all(m is not v and m.data_ptr() == v.data_ptr() and m.shape == v.shape
+                   for m, v in zip(made, (views[0], views[2])))
+        made[0].unsqueeze_(0)
+        made[1][0] = -1  # values are shared: the graph's memory
+        assert views[0].shape == (3, 4) and tokens[0] == -1
+        tokens[0] = 0
+    assert fresh_views(views)[1] is None

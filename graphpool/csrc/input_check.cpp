@@ -75,9 +75,42 @@ struct InputChecker {
   }
 };
 
+// A run's results as new tensor objects: each shares its view's storage, sizes and strides, but owns its
+// metadata, so a caller that changes one result in place (unsqueeze_, t_) never reaches another run's. In
+// Python, `map(Tensor.detach, views)` costs ~0.8 us per tensor on the H200's host; this skips the dispatcher.
+py::list fresh_views(const py::tuple& views) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(views.ptr());
+  py::list out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(views.ptr(), i);
+    if (obj == Py_None) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(out.ptr(), i, Py_None);
+    } else {
+      PyList_SET_ITEM(out.ptr(), i, THPVariable_Wrap(THPVariable_Unpack(obj).variable_data()));
+    }
+  }
+  return out;
+}
+
+// The same, as a plain dict of `keys` (a tuple of str) to the new tensors: a flat dict result in one call.
+py::dict fresh_dict(const py::tuple& keys, const py::tuple& views) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(views.ptr());
+  py::dict out;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(views.ptr(), i);
+    PyObject* value = THPVariable_Wrap(THPVariable_Unpack(obj).variable_data());
+    PyDict_SetItem(out.ptr(), PyTuple_GET_ITEM(keys.ptr(), i), value);
+    Py_DECREF(value);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fresh_views", &fresh_views, py::arg("views"));
+  m.def("fresh_dict", &fresh_dict, py::arg("keys"), py::arg("views"));
   py::class_<InputChecker>(m, "InputChecker")
       .def(py::init<std::vector<std::string>, std::vector<at::ScalarType>, std::vector<std::vector<int64_t>>,
                     std::vector<bool>, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>())

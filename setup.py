@@ -27,17 +27,21 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["graphpool", "graphpool.kernels", "graphpool.integrations", "graphpool.integrations.sglang"],
+    packages=["graphpool", "graphpool.bench", "graphpool.kernels", "graphpool.integrations",
+              "graphpool.integrations.sglang"],
     package_dir={"graphpool": "graphpool", "graphpool.kernels": "kernels",
                  "graphpool.integrations": "integrations"},
     package_data={"graphpool": ["csrc/*.cpp"]},
     install_requires=["torch>=2.4"],
+    entry_points={"console_scripts": ["graphpool-bench = graphpool.bench.cli:main"]},
     extras_require={
         # Triton stages inputs inside the graph on CUDA (CUDA builds of torch bring it) and runs the
         # staging kernel in its interpreter in the CPU tests; CI pins 3.6.0 (quickstart.sh).
         "triton": ["triton>=3.0"],
         # The tests, the benchmarks' plots, and ninja for the C++ input checker's JIT build.
         "dev": ["pytest>=8", "pytest-timeout", "numpy", "matplotlib", "ninja"],
+        # graphpool-bench's plot (and the eager Triton staging method's row table).
+        "bench": ["numpy", "matplotlib"],
         # A real SGLang server (CUDA machine): `pip install -e ".[sglang]"`.
         "sglang": [SGLANG],
         # CI (CPU): SGLang's classes without its CUDA stack; then `pip install --no-deps sglang==0.5.12.post1`.

@@ -82,7 +82,7 @@ from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
-from bench.outputs import OutputError, OutputSet  # noqa: E402
+from graphpool.bench.outputs import OutputError, OutputSet  # noqa: E402
 from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, acceptance, acceptance_lines,  # noqa: E402
                                  check_targets, count, explain, plot, table)
 from graphpool import SpeculationPolicy  # noqa: E402

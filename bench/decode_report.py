@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import logging
-import textwrap
 from pathlib import Path
+
+from graphpool.bench.report import explain
 
 log = logging.getLogger(__name__)
 
@@ -14,11 +15,6 @@ NAMES = {"plain": "(i) plain decode, graphs", "spec": "(ii) speculation always, 
 NAMES_CPU = {"plain": "(i) plain decode, eager twin", "spec": "(ii) speculation always, eager twin",
              "dynamic": "(iii) dynamic, both modes via the pool (eager twin)",
              "dynamic_eager_plain": "(iv) dynamic, plain steps eager"}
-
-
-def explain(text: str) -> str:
-    """A table's legend: ``text`` wrapped under the table, indented two spaces."""
-    return textwrap.fill(text, width=110, initial_indent="  ", subsequent_indent="  ")
 
 
 def count(n: float) -> str:

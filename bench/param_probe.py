@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphpool as gp  # noqa: E402
-from bench import default_step  # noqa: E402
+from graphpool.bench import step as default_step  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

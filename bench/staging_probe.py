@@ -35,7 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import graphpool as gp  # noqa: E402
-from bench import default_step  # noqa: E402
+from graphpool.bench import step as default_step  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

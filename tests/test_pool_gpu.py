@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphpool as gp
-from bench import default_step
+from graphpool.bench import step as default_step
 
 pytestmark = pytest.mark.gpu
 SIZES = [1, 2, 4, 8, 16, 32, 64]

@@ -1,5 +1,6 @@
-"""bench/replay_latency.py: a CPU smoke run end to end, its staging methods against the inputs they stage,
-and (GPU) the full method set with the GPU floor beside graphpool's GPU time."""
+"""The replay-latency benchmark (``graphpool.bench``, ``graphpool-bench``, and the checkout's
+bench/replay_latency.py front end): a CPU smoke run end to end, its staging methods against the inputs they
+stage, and (GPU) the full method set with the GPU floor beside graphpool's GPU time."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 import graphpool as gp
-from bench import default_step, replay_latency
-from bench.staging_methods import EagerTritonStage, sglang_style
+from bench import replay_latency
+from graphpool.bench import cli, replay
+from graphpool.bench import step as default_step
+from graphpool.bench.methods import EagerTritonStage, sglang_style
 
 
 def run(tmp_path: Path, capsys, *extra: str) -> tuple[dict, str]:
@@ -37,13 +40,15 @@ def test_cpu_smoke_run_writes_outputs_and_explains_every_column(tmp_path, capsys
 
 
 def test_cpu_defaults_are_smaller_and_said(tmp_path, capsys):
-    args = replay_latency.parse_args([])
-    assert replay_latency.resolve(args, cuda=False) == ["iters", "warmup", "batch_sizes"]
+    args = cli.parse_args([])
+    assert cli.resolve(args, cuda=False) == ["iters", "warmup", "batch_sizes"]
     assert (args.iters, args.batch_sizes) == (10, "1,2,4,8")
-    assert Path(args.out) == Path(replay_latency.ROOT) / "out" / "replay_latency"
+    assert Path(args.out) == Path("out") / "replay_latency"  # the installed command: under the working directory
+    checkout = cli.parse_args([], default_out=str(Path(replay_latency.ROOT) / "out" / "replay_latency"))
+    assert Path(checkout.out) == Path(replay_latency.ROOT) / "out" / "replay_latency"
     assert "/out/" in (Path(replay_latency.ROOT) / ".gitignore").read_text().split(), "out/ must be ignored by git"
-    gpu_args = replay_latency.parse_args(["--iters", "7"])
-    assert replay_latency.resolve(gpu_args, cuda=True) == [] and gpu_args.iters == 7
+    gpu_args = cli.parse_args(["--iters", "7"])
+    assert cli.resolve(gpu_args, cuda=True) == [] and gpu_args.iters == 7
 
 
 def _pool(device: str) -> tuple[gp.GraphPool, default_step.BenchStep]:
@@ -83,7 +88,7 @@ def test_eager_triton_stage_fills_the_static_buffers():
 
 @pytest.mark.gpu
 def test_gpu_run_times_every_method_and_prints_the_gpu_floor(tmp_path, capsys):
-    from bench.replay_report import GRAPH_METHODS
+    from graphpool.bench.report import GRAPH_METHODS
     data, text = run(tmp_path, capsys)
     rows = {(r["mode"], r["bs"], r["method"]): r for r in data["rows"]}
     for mode in ("decode", "verify"):
@@ -97,7 +102,7 @@ def test_gpu_run_times_every_method_and_prints_the_gpu_floor(tmp_path, capsys):
 
 
 def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_column():
-    from bench.replay_report import GRAPH_METHODS, summary
+    from graphpool.bench.report import GRAPH_METHODS, summary
     modes = [gp.Mode("decode", 1)]
     rows = [{"mode": "decode", "bs": 1, "method": m, "stage_us": 2.0, "replay_us": 5.0 + i, "host_us": 7.0 + i,
              "gpu_us": 100.0 + i, "gpu_b2b_us": 90.0 + 2 * i, "host_b2b_us": 4.0 + i, "token_match": 1.0}
@@ -144,7 +149,7 @@ def refused(capsys, argv: list[str]) -> str:
         replay_latency.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("replay_latency: "), err
+    assert len(err.splitlines()) == 1 and err.startswith("graphpool-bench: "), err
     return err
 
 
@@ -155,13 +160,14 @@ def strict_json(path: Path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-@pytest.mark.parametrize("spec", ["nosuchmod:make", "bench.default_step:nosuch", "os:getcwd", "nocolon",
-                                  ":make", "bench.default_step:", "bench.default_step:make:x"])
+@pytest.mark.parametrize("spec", ["nosuchmod:make", "graphpool.bench.step:nosuch", "os:getcwd", "nocolon",
+                                  ":make", "graphpool.bench.step:", "graphpool.bench.step:make:x"])
 def test_bad_step_is_one_line_saying_what_is_expected(tmp_path, capsys, monkeypatch, spec):
     monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory on it
     err = refused(capsys, [*TINY, "--step", spec, "--out", str(tmp_path / "rl")])
-    assert err.startswith(f"replay_latency: --step {spec}: ")
-    assert err.endswith("expected module:factory, factory(device, max_tokens) -> bench.default_step.BenchStep")
+    assert err.startswith(f"graphpool-bench: --step {spec}: ")
+    assert err.endswith("expected a built-in step (default, sglang) or module:factory, factory(device, max_tokens) "
+                        "-> BenchStep")
     assert not (tmp_path / "rl").exists()  # refused before the outputs were even checked
 
 
@@ -177,13 +183,14 @@ def test_step_that_returns_no_step_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     err = refused(capsys, [*TINY, "--step", "rl_notastep:make", "--out", str(tmp_path / "rl")])
-    assert "returned a value of type int" in err and not (tmp_path / "rl" / "replay_latency.json").exists()
+    assert err.startswith("graphpool-bench: --step rl_notastep:make: the step factory returned a value of type int, "
+                          "not a BenchStep") and not (tmp_path / "rl" / "replay_latency.json").exists()
 
 
 def test_step_module_is_found_in_the_working_directory(tmp_path):
     """Run as a script from the folder holding the user's module (Python puts only bench/ on the path)."""
     (tmp_path / "my_step.py").write_text(
-        "from bench.default_step import make as _make\n\n\n"
+        "from graphpool.bench import default_step as _make\n\n\n"
         "def make(device, max_tokens):\n"
         "    return _make(device, max_tokens, hidden=32, vocab=64, layers=1)\n")
     script = Path(replay_latency.__file__).resolve()
@@ -192,7 +199,7 @@ def test_step_module_is_found_in_the_working_directory(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert {r["method"] for r in strict_json(tmp_path / "rl" / "replay_latency.json")["rows"]} == {"graphpool", "eager"}
-    help_text = " ".join(replay_latency.__doc__.split())
+    help_text = " ".join(cli.__doc__.split())
     assert "looked up first in the current working directory" in help_text
 
 
@@ -214,7 +221,7 @@ def test_step_module_is_found_in_the_working_directory(tmp_path):
 ])
 def test_bad_options_are_refused_before_anything_runs(tmp_path, capsys, argv, start):
     err = refused(capsys, [*TINY, *argv, "--out", str(tmp_path / "rl")])
-    assert err.startswith(f"replay_latency: {start}"), err
+    assert err.startswith(f"graphpool-bench: {start}"), err
     assert "expected" in err or "invalid" in err
     assert not (tmp_path / "rl").exists()
 
@@ -222,16 +229,16 @@ def test_bad_options_are_refused_before_anything_runs(tmp_path, capsys, argv, st
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch has no CUDA device")
 def test_cuda_without_a_cuda_device_is_refused(tmp_path, capsys):
     err = refused(capsys, [*TINY, "--device", "cuda", "--out", str(tmp_path / "rl")])
-    assert err.startswith("replay_latency: --device cuda: torch ") and "sees no CUDA device" in err
+    assert err.startswith("graphpool-bench: --device cuda: torch ") and "sees no CUDA device" in err
 
 
 def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, capsys):
     file = tmp_path / "taken"
     file.write_text("not a folder")
     err = refused(capsys, [*TINY, "--out", str(file)])
-    assert err.startswith(f"replay_latency: --out {file}: an existing file, not a folder")
+    assert err.startswith(f"graphpool-bench: --out {file}: an existing file, not a folder")
     err = refused(capsys, [*TINY, "--out", str(file / "rl")])
-    assert err.startswith(f"replay_latency: --out {file / 'rl'}: cannot write")
+    assert err.startswith(f"graphpool-bench: --out {file / 'rl'}: cannot write")
     assert file.read_text() == "not a folder"
 
 
@@ -239,9 +246,9 @@ def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, capsys):
 def test_timed_runs_exactly_the_asked_steps(iters):
     calls = {"a": 0, "b": 0}
 
-    def method(name: str) -> replay_latency.Method:
+    def method(name: str) -> replay.Method:
         return (lambda: calls.__setitem__(name, calls[name] + 1), lambda _: None)
-    got = replay_latency.timed({"a": method("a"), "b": method("b")}, iters, warmup=3, cuda=False)
+    got = replay.timed({"a": method("a"), "b": method("b")}, iters, warmup=3, cuda=False)
     assert calls == {"a": iters + 3, "b": iters + 3}
     assert all(r["steps_timed"] == iters for r in got.values())
     assert all(len(r["host_rounds_us"]) == -(-iters // 10) for r in got.values())  # rounds of 10, last shorter
@@ -272,7 +279,7 @@ def test_failed_write_leaves_the_previous_set_and_no_temporaries(tmp_path, capsy
     def broken_plot(rows, modes, sizes, path, what_ran):
         Path(path).write_bytes(b"half a png")  # cut short while the JSON and CSV were already written
         raise error("plot failed")
-    monkeypatch.setattr(replay_latency, "plot", broken_plot)
+    monkeypatch.setattr(cli, "plot", broken_plot)
     with pytest.raises(error):
         replay_latency.main([*TINY, "--out", str(out)])
     assert {p.name: p.read_text() for p in out.iterdir()} == before  # hidden temporaries included
@@ -293,3 +300,33 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_warning(tmp_path, capsys,
     assert replay_latency.main([*TINY, "--out", str(out)]) == 0
     assert "matplotlib is not installed: no plot written" in caplog.text
     assert set(p.name for p in out.iterdir()) == OUTPUTS - {"replay_latency.png"}  # no stale plot beside it
+
+
+def test_a_sampler_that_returns_the_wrong_inputs_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "rl_badsample.py").write_text(
+        "from graphpool.bench import default_step\n\n\n"
+        "def make(device, max_tokens):\n"
+        "    step = default_step(device, max_tokens, hidden=32, vocab=64, layers=1)\n"
+        "    step.sample = lambda mode, bs: {'input_ids': None}\n"
+        "    return step\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    err = refused(capsys, [*TINY, "--step", "rl_badsample:make", "--out", str(tmp_path / "rl")])
+    assert "sample(mode, bs) must return a dict of tensors keyed by the declared inputs" in err
+    assert not (tmp_path / "rl" / "replay_latency.json").exists()
+
+
+def test_the_python_api_times_a_step_of_ones_own():
+    """graphpool.bench.benchmark with a BenchStep built by hand: the rows of every key and method."""
+    from graphpool.bench import BenchStep, benchmark
+
+    weight = torch.randn(4, 4)
+    step = BenchStep(inputs=[gp.StepInput("x", torch.float32, "token", trailing=(4,))],
+                     step_fn=lambda b: {"y": b.inputs["x"] @ weight},
+                     sample=lambda mode, bs: {"x": torch.randn(bs * mode.tokens_per_seq, 4)},
+                     outputs="token", check="y")
+    result = benchmark(step, [gp.Mode("decode", 1), gp.Mode("verify", 3)], [1, 2], "cpu", iters=2, warmup=0,
+                       progress=False)
+    assert {(r["mode"], r["bs"], r["method"]) for r in result.rows} == {
+        (m, b, meth) for m in ("decode", "verify") for b in (1, 2) for meth in ("graphpool", "eager")}
+    assert all(r["token_match"] == 1.0 for r in result.rows) and result.env["misses"] == 0

@@ -1,14 +1,19 @@
-"""Tables and the plot for bench/replay_latency.py: every column explained under its table, and a plot that
-says on its face what ran."""
+"""Tables and the plot of the replay-latency benchmark: every column explained under its table, and a plot
+that says on its face what ran."""
 from __future__ import annotations
 
 import logging
 import statistics
+import textwrap
 
 import graphpool as gp
-from bench.decode_report import explain
 
 log = logging.getLogger(__name__)
+
+def explain(text: str) -> str:
+    """A table's legend: ``text`` wrapped under the table, indented two spaces."""
+    return textwrap.fill(text, width=110, initial_indent="  ", subsequent_indent="  ")
+
 
 GRAPH_METHODS = ["floor", "graphpool", "graphpool-run", "graphpool+prep", "triton-launch", "sglang", "foreach",
                  "graph-pad"]

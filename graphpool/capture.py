@@ -78,6 +78,7 @@ class Entry:
     stage_run: Optional[Callable[[], Any]] = None  # staging as its own graph, run before `prepare`
     layout: Optional[OutputLayout] = None
     views: list = field(default_factory=list)      # [real_bs] -> the output leaves cut to the real rows
+    fresh: Callable[[tuple], Any] = lambda views: None  # a run's result from views (layout.fresh_function)
 
 
 class Step:
@@ -163,6 +164,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
     stager.self_copy(key)
     graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
     entry.layout = _checked_layout(out, outputs, batch, where, fresh)
+    entry.fresh = entry.layout.fresh_function
     entry.run = _enqueue(backend, graph, stager, stages=in_graph)
     entry.stats.capture_s = time.perf_counter() - started
     entry.stats.graph_bytes = graph_bytes + nbytes

@@ -27,6 +27,7 @@ overwrites the values.
 from __future__ import annotations
 
 import copy as _copy
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -148,8 +149,7 @@ class OutputLayout:
             return None
         kind = type(out)
         if kind is dict:
-            keys = tuple(out)
-            return lambda views: fresh_dict(keys, views)
+            return functools.partial(fresh_dict, tuple(out))  # a partial: no Python frame of ours per run
         if _is_namedtuple(out):
             return lambda views: kind._make(fresh_views(views))
         if kind is tuple:
@@ -184,6 +184,11 @@ class OutputLayout:
         if fast is not None:
             return fast(views)
         return self.build(self._views(views))
+
+    @property
+    def fresh_function(self) -> Callable[[tuple], Outputs]:
+        """:meth:`fresh` itself, minus a call level where a one-call builder exists (the pool's hot path)."""
+        return self._fast or self.fresh
 
     def copied(self, views: Sequence[Optional[torch.Tensor]]) -> Outputs:
         """A new result holding private copies of ``views``."""

@@ -346,7 +346,7 @@ class GraphPool:
         if self.debug:
             self._debug_after(entry.key)
         views = entry.views[real_bs]
-        return entry.layout.copied(views) if copy else entry.layout.fresh(views)
+        return entry.layout.copied(views) if copy else entry.fresh(views)
 
     def _run_miss(self, step: Step, copy: bool) -> Outputs:
         """The eager miss path, under the same output rule as the graphs (checked on the real sizes)."""

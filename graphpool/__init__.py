@@ -9,6 +9,7 @@ from ._layout import map_checkout_packages
 
 map_checkout_packages()
 
+from .agreement import RankDisagreementError  # noqa: E402
 from .capture import CapturedGraph, StepBatch  # noqa: E402
 from .errors import (BatchTooLargeError, CaptureError, ConcurrentUseError, DeviceFaultError,  # noqa: E402
                      GraphPoolError, IndexBoundsError, InputDeviceError, InputDtypeError, InputLayoutError,
@@ -24,6 +25,6 @@ __all__ = [
     "PoolStats", "KeyStats", "GraphPoolError", "UnknownModeError", "MissingInputError", "InputTypeError",
     "InputRowsError", "InputDtypeError", "InputDeviceError", "InputShapeError", "InputLayoutError",
     "IndexBoundsError", "BatchTooLargeError", "NotCapturedError", "CaptureError", "StepOutputError",
-    "ConcurrentUseError", "StaleStepError", "RingDesyncError", "DeviceFaultError",
+    "ConcurrentUseError", "StaleStepError", "RingDesyncError", "DeviceFaultError", "RankDisagreementError",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ import torch
 
 from bench.engine.kv_cache import DUMMY_ROW, DUMMY_SLOT
 
-from bench.engine.agreement import RankDisagreementError
+from graphpool.agreement import RankDisagreementError
 from bench.engine.config import ModelConfig, SpecConfig
 from bench.engine.harness import build
 from bench.engine.loop import DecodeLoop, make_requests

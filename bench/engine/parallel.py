@@ -36,8 +36,8 @@ benchmark's automatic threshold (picked from timings) is taken from rank 0 once,
 (``decode_loop.py`` refuses ``--min-seconds`` with ``--tp``). What can still break it (a rank-local clock or
 RNG in a policy) is what the debug check catches: with ``TensorParallel(check=True)``, every step compares
 (step counter, mode, padded and real batch size) across ranks before it replays
-(:class:`bench.engine.agreement.StepAgreement`) and raises
-:class:`~bench.engine.agreement.RankDisagreementError` on every rank, naming the ranks that disagree,
+(:class:`graphpool.agreement.StepAgreement`) and raises
+:class:`~graphpool.agreement.RankDisagreementError` on every rank, naming the ranks that disagree,
 instead of hanging.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .agreement import StepAgreement
+from graphpool.agreement import StepAgreement
 from .config import ModelConfig
 from .gemv import Projection
 from .model import LlamaModel
@@ -76,7 +76,7 @@ class TensorParallel:
     Args:
         group: the process group of the tensor-parallel ranks (default: the world).
         check: compare each step's (step, mode, batch size) across ranks before it runs and raise
-            :class:`~bench.engine.agreement.RankDisagreementError` on a mismatch (debug; one small gloo
+            :class:`~graphpool.agreement.RankDisagreementError` on a mismatch (debug; one small gloo
             all-gather per step, so off by default).
         check_timeout_s: how long the check waits for a rank that never arrives.
     """

@@ -1,12 +1,17 @@
-"""A debug check that every tensor-parallel rank is about to run the same step.
+"""Tensor parallelism: every rank must replay the same graph each step, and capture the same graphs.
 
 Under tensor parallelism each rank replays its own graphs, and the graphs hold collectives. Two ranks that
 replay different graphs (one a decode step, the other a verify step; or two batch sizes) issue collectives
-of different sizes and wait on each other forever. :class:`StepAgreement` turns that hang into an error:
-before each step it all-gathers four integers (step counter, mode, padded batch size, real batch size) over
-a gloo group, which costs no device synchronisation, and raises :class:`RankDisagreementError` on every
-rank when they differ. The check itself cannot deadlock: it is the same small collective on every rank,
-whatever step each rank was about to run.
+of different sizes and wait on each other forever. :class:`StepAgreement` turns that hang into an error
+(a debug check): before each step it all-gathers four integers (step counter, mode, padded batch size, real
+batch size) over a gloo group, which costs no device synchronisation, and raises :class:`RankDisagreementError`
+on every rank when they differ. The check itself cannot deadlock: it is the same small collective on every
+rank, whatever step each rank was about to run.
+
+:func:`agree_on_outcome` does the same for a capture: a capture that failed on one rank fails on every rank,
+with that rank's reason, instead of leaving the ranks with different graphs.
+
+Used by the reference engine (``bench/engine``) and by the SGLang integration (SGLang's TP group).
 """
 from __future__ import annotations
 
@@ -17,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import CaptureError, GraphPoolError
+
 #: Step names every rank knows how to print; other names print as their code.
 KNOWN_STEPS = ("decode", "verify", "prefill", "eager_decode", "eager_verify", "eager_prefill", "draft_catch_up")
 
 
-class RankDisagreementError(RuntimeError):
+class RankDisagreementError(GraphPoolError, RuntimeError):
     """Tensor-parallel ranks were about to run different steps (their graphs' collectives would deadlock).
 
     Attributes:
@@ -45,15 +52,17 @@ class StepAgreement:
     """Compares (step counter, step name, padded bs, real bs) across the ranks of ``group`` before each step.
 
     Args:
-        group: the tensor-parallel process group (any backend; the check runs over its own gloo group).
+        group: the tensor-parallel process group (any backend; the check runs over a gloo group of its ranks).
         timeout_s: how long :meth:`check` waits for a rank that never arrives (a crashed or stuck rank).
-
-    The constructor creates a process group, so every rank must build its ``StepAgreement`` at the same point.
+        gloo_group: a gloo group of the same ranks to use (e.g. SGLang's ``get_tp_group().cpu_group``); without
+            one, the constructor creates it, so every rank must build its ``StepAgreement`` at the same point.
     """
 
-    def __init__(self, group: Any, timeout_s: float = 60.0):
-        ranks = dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+    def __init__(self, group: Any, timeout_s: float = 60.0, gloo_group: Any = None):
+        if gloo_group is None:
+            ranks = dist.get_process_group_ranks(group)
+            gloo_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.group = gloo_group
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.steps = 0
         self._names = {_code(n): n for n in KNOWN_STEPS}
@@ -86,3 +95,23 @@ class StepAgreement:
             f"rank must choose the same mode and batch size each step, from inputs identical on every rank "
             f"(same requests, same policy, values read back from all-gathered outputs) or broadcast from rank 0",
             differ, entries)
+
+
+def agree_on_outcome(gloo_group: Any, error: BaseException | None, what: str) -> None:
+    """After a collective-holding operation each rank ran (a capture): raise on every rank if it failed on any.
+
+    Every rank calls this, with the exception its own attempt raised (``None`` when it succeeded). The ranks
+    exchange their outcomes over ``gloo_group`` (no device synchronisation); if any failed, each rank raises
+    :class:`CaptureError` naming the failed ranks and their reasons (a rank whose own attempt failed chains its
+    own exception), so no rank goes on with graphs the others do not have.
+    """
+    mine = None if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    outcomes: list[Any] = [None] * dist.get_world_size(gloo_group)
+    dist.all_gather_object(outcomes, mine, group=gloo_group)
+    failed = {rank: reason for rank, reason in enumerate(outcomes) if reason is not None}
+    if not failed:
+        return
+    listed = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
+    message = (f"{what} failed on tensor-parallel rank(s) {sorted(failed)} ({listed}); it is abandoned on every rank "
+               f"(this is rank {dist.get_rank(gloo_group)}), so no rank replays graphs the others lack")
+    raise CaptureError(message) from error

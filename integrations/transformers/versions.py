@@ -58,8 +58,12 @@ def check_version(version: str | None = None) -> None:
     match = re.match(r"(\d+)\.(\d+)", version)
     found = (int(match.group(1)), int(match.group(2))) if match else None
     if found is None or not OLDEST <= found <= NEWEST:
-        why = ("older releases build attention masks from one cache length and lack the per-layer Cache API"
-               if found is not None and found < OLDEST else "it is newer than every release this was tested on")
+        if found is None:
+            why = "not a release number"
+        elif found < OLDEST:
+            why = "older releases build attention masks from one cache length and lack the per-layer Cache API"
+        else:
+            why = "it is newer than every release this was tested on"
         raise UnsupportedModelError(
             f"graphpool.integrations.transformers supports {SUPPORTED}; found transformers {version} ({why}): "
             f"install a supported release, e.g. pip install 'transformers=={TESTED[-1]}'")

@@ -6,6 +6,7 @@ repeat themselves soon, so prompt lookup finds drafts.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
@@ -43,3 +44,13 @@ def reference(model: torch.nn.Module, prompts: list[list[int]], max_new: list[in
                              do_sample=False, eos_token_id=eos or None, pad_token_id=0)
         out.append(got[0, len(prompt):].tolist())
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread for the tiny models: their ops are too small to split, and on a busy 2-core machine
+    two threads spinning for each other made a step ~100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,9 @@ import os
 import runpy
 
 import pytest
+import torch
 
+from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 from tests.hf_models import reference
 
 pytest.importorskip("graphpool.integrations.transformers")
@@ -15,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_decode.py")
 
 
-def test_example_tokens_equal_generate(capsys: pytest.CaptureFixture):
+def check_example(capsys: pytest.CaptureFixture) -> None:
     ns = runpy.run_path(EXAMPLE, run_name="example")
     result, prompts = ns["result"], ns["prompts"]
     counts = [len(t) for t in result.tokens]
@@ -24,6 +26,17 @@ def test_example_tokens_equal_generate(capsys: pytest.CaptureFixture):
     assert {s.mode for s in result.steps} == {"decode", "verify"} and result.misses == 0
     out = capsys.readouterr().out
     assert "tokens per sequence per verify step" in out and "8 graphs" in out
+
+
+def test_example_tokens_equal_generate(capsys: pytest.CaptureFixture):
+    if torch.cuda.is_available():
+        pytest.skip("the GPU variant below covers CUDA machines")
+    check_example(capsys)
+
+
+@pytest.mark.gpu
+def test_example_tokens_equal_generate_with_cuda_graphs(capsys: pytest.CaptureFixture):
+    check_example(capsys)  # the example picks CUDA where there is one: real graphs, float32
 
 
 def test_readme_snippet_is_short_and_names_what_exists():

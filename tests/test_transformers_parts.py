@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import graphpool as gp
+from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 from tests.hf_models import tiny_model
 
 tfm = pytest.importorskip("graphpool.integrations.transformers")

@@ -76,6 +76,13 @@ def test_tokens_equal_generate_per_prompt(family: str, device: str, mixed: bool)
     assert sum(s.committed for s in result.steps) + len(PROMPTS) == result.num_tokens  # +1 each from prefill
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_transformers_own_sdpa_mixed_loop_equals_generate(device: str):
+    """grouped_attention=False: transformers' sdpa attention (keys repeated per query head) over the slot cache."""
+    model, eos, want = oracle("llama", device)
+    assert run(model, eos, mixed=True, grouped_attention=False).tokens == want
+
+
 @pytest.mark.parametrize("family_name", ["qwen2", "mistral"])
 def test_other_families_mixed_loop_equals_generate(family_name: str):
     model = tiny_model(family_name)

@@ -127,3 +127,37 @@ def test_requests_that_do_not_fit_are_refused():
     plain = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=0)
     with pytest.raises(ValueError, match="num_draft_tokens > 0"):
         plain.generate([[1]], 2, policy=gp.SpeculationPolicy(off_above=1))
+
+
+def test_grouped_attention_equals_transformers_sdpa():
+    """Query heads that share a key/value head ride as rows of it: the same output as transformers' sdpa, which
+    repeats the keys for them, on a mask of rows at different positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from graphpool.integrations.transformers.attention import grouped_sdpa
+    model = tiny_model("llama")
+    cache = tfm.SlotCache(model, num_slots=2, max_len=9)
+    torch.manual_seed(0)
+    rows, heads, kv_heads, tokens, dim = 3, 4, 2, 2, 16
+    q, k, v = torch.randn(rows, heads, tokens, dim), torch.randn(rows, kv_heads, 9, dim), torch.randn(rows, kv_heads, 9, dim)
+    positions = torch.tensor([[0, 1], [4, 5], [7, 8]])
+    module = model.model.layers[0].self_attn  # num_key_value_groups = 2
+    want, _ = sdpa_attention_forward(module, q, k, v, cache.attention_mask(positions), scaling=0.25)
+    got, _ = grouped_sdpa(module, q, k, v, cache.attention_mask(positions, groups=2), scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    wrong, _ = grouped_sdpa(module, q, k, v, cache.attention_mask(positions.flip(0), groups=2), scaling=0.25)
+    assert not torch.allclose(wrong, want, atol=1e-3)  # the check can fail: rows read their own positions
+
+
+def test_grouped_attention_is_on_only_inside_the_step():
+    model = tiny_model("qwen3")
+    generator = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0)
+    seen = []
+    attention = model.model.layers[0].self_attn
+    attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    generator.generate([[1, 2, 3]], 3, eos_token_id=[])
+    assert seen and set(seen) == {"graphpool_grouped_sdpa"} and model.config._attn_implementation == "sdpa"
+    plain = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0, grouped_attention=False)
+    seen.clear()
+    plain.generate([[1, 2, 3]], 3, eos_token_id=[])
+    assert set(seen) == {"sdpa"}

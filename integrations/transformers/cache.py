@@ -172,13 +172,15 @@ class SlotCache(Cache):
                                "cannot know which slot and position each token belongs to")
         return self._binding
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
-        """The 4-D additive mask ``[B, 1, T, kv_len]`` (the cache's dtype): 0 where key ``j <= positions[b, t]``,
-        the dtype's minimum elsewhere. Passed as the model's ``attention_mask``, transformers hands it to
-        attention as given."""
+    def attention_mask(self, positions: torch.Tensor, kv_len: int | None = None, groups: int = 1) -> torch.Tensor:
+        """The 4-D additive mask ``[B, 1, groups * T, kv_len]`` (the cache's dtype): 0 where key
+        ``j <= positions[b, t]``, the dtype's minimum elsewhere. Passed as the model's ``attention_mask``,
+        transformers hands it to attention as given. ``groups > 1`` repeats the rows for the query heads that
+        share a key/value head (:mod:`.attention`: row ``g * T + t`` is token ``t``)."""
         kv_len = self.max_len if kv_len is None else kv_len
         keys = self._key_positions[:kv_len].view(1, 1, 1, kv_len)
-        return torch.where(keys <= positions[:, None, :, None], self._visible, self._hidden)
+        rows = positions.repeat(1, groups) if groups > 1 else positions
+        return torch.where(keys <= rows[:, None, :, None], self._visible, self._hidden)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError(_NO_LENGTH)

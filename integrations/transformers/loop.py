@@ -143,6 +143,7 @@ class PoolGenerator:
             per row); 0: plain decode only.
         verify_batch_sizes: batch sizes of the verify graphs (default: ``batch_sizes``).
         max_ngram: the longest n-gram prompt lookup matches (down to 1).
+        grouped_attention: see :class:`SlotForward` (``sdpa`` models: keys read once per key/value head).
         debug: the pool's debug mode (bounds of every input checked, each step waited for).
         inputs: the pool's input declarations, ``inputs(cache, vocab_size)``; default :func:`step_inputs`.
             Change it only knowingly: a wrong fill breaks padded rows (this package's tests pass one to show
@@ -152,8 +153,8 @@ class PoolGenerator:
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, max_batch: int | None = None,
                  batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int = 4,
-                 verify_batch_sizes: Sequence[int] | None = None, max_ngram: int = 3, debug: bool = False,
-                 inputs: InputsFn = step_inputs, progress: bool = False):
+                 verify_batch_sizes: Sequence[int] | None = None, max_ngram: int = 3, grouped_attention: bool = True,
+                 debug: bool = False, inputs: InputsFn = step_inputs, progress: bool = False):
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decode only), got {num_draft_tokens}")
         sizes = tuple(sorted(set(batch_sizes)))
@@ -162,7 +163,7 @@ class PoolGenerator:
         device = next(model.parameters()).device
         with torch.inference_mode():
             self.cache = SlotCache(model, self.max_batch + 1, max_len)
-            self.forward = SlotForward(model, self.cache)
+            self.forward = SlotForward(model, self.cache, grouped_attention)
             verify = tuple(sorted(set(verify_batch_sizes))) if verify_batch_sizes else None
             self.pool = gp.GraphPool(step_modes(num_draft_tokens, None, verify),
                                      list(inputs(self.cache, model.config.vocab_size)), sizes, device=device,

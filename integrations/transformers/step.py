@@ -15,6 +15,7 @@ import torch
 
 import graphpool as gp
 
+from .attention import grouped_attention
 from .cache import DUMMY_SLOT, SlotCache
 
 DECODE, VERIFY = "decode", "verify"
@@ -50,16 +51,23 @@ def step_inputs(cache: SlotCache, vocab_size: int) -> list[gp.StepInput]:
 
 
 class SlotForward:
-    """The model's decoder and head over a :class:`SlotCache`: ``forward(ids, positions, slots)``.
+    """The model's decoder and head over a :class:`SlotCache`: :meth:`hidden`, :meth:`greedy`, :meth:`prefill`,
+    and the pool's step function (calling the object).
 
     Args:
         model: a supported ``*ForCausalLM`` model (see :mod:`.versions`).
         cache: its slot cache.
+        grouped: for ``"sdpa"`` models, attend with :func:`~.attention.grouped_sdpa` (each key read once per
+            key/value head, not repeated for its query heads); ``False`` keeps transformers' own ``sdpa``.
+            ``"eager"`` models always keep theirs.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache):
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, grouped: bool = True):
         self.model, self.cache = model, cache
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        config = model.config
+        self.grouped = grouped and config._attn_implementation == "sdpa"
+        self.groups = config.num_attention_heads // cache.kv_heads if self.grouped else 1
         # transformers 5.24 renamed the decoder's `past_key_values` argument to `cache` (the old name warns).
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -70,8 +78,10 @@ class SlotForward:
         ``slots`` ``[B]``, writing their keys and values into the cache."""
         cache = self.cache
         cache.bind(slots, positions, kv_len)
-        out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=cache.attention_mask(positions, kv_len),
-                           use_cache=True, **{self._cache_arg: cache})
+        mask = cache.attention_mask(positions, kv_len, self.groups)
+        with grouped_attention(self.model.config, self.grouped):
+            out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                               **{self._cache_arg: cache})
         return out.last_hidden_state
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,9 @@ from bench.outputs import OutputError, OutputSet  # noqa: E402
 
 log = logging.getLogger("hf_decode")
 
+#: (b)'s first compile, estimated before any was seen (16 layers, reduce-overhead), and the time kept for the rest.
+FIRST_COMPILE_S, RESERVE_S = 90.0, 20.0
+
 #: Llama-3.2-1B's public config values (random weights here; no download). EOS off: every row makes N tokens.
 LLAMA_32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up run (median)")
     p.add_argument("--compile-budget-s", type=float, default=200.0,
                    help="seconds (b) may spend compiling; batch sizes past it are skipped and listed")
+    p.add_argument("--deadline-s", type=float, default=330.0,
+                   help="the whole run's time limit: (b) starts no compile that would end past it (estimated from "
+                        "the last one), so the files are written inside one device call")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (smoke default)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -179,16 +185,21 @@ def static_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argpars
     """(b): transformers' static cache; on CUDA it compiles the decode step (reduce-overhead). Batch sizes in an
     order that covers both ends first; once ``--compile-budget-s`` is spent, the rest are skipped and listed."""
     order = sorted(batches, key=lambda b: (b not in (min(batches), max(batches)), b))
-    runs, spent = [], 0.0
+    runs, spent, estimate = [], 0.0, FIRST_COMPILE_S
     for bs in order:
-        if spent >= args.compile_budget_s:
-            runs.append(Run("hf-static", bs, error=f"skipped: the compile budget ({args.compile_budget_s:.0f} s, "
-                                                   f"--compile-budget-s) was spent"))
+        left = args.deadline_s - (time.perf_counter() - args.started)
+        if spent + estimate > args.compile_budget_s or estimate + RESERVE_S > left:
+            why = (f"the compile budget ({args.compile_budget_s:.0f} s, --compile-budget-s)" if left > estimate + RESERVE_S
+                   else f"the run's deadline ({args.deadline_s:.0f} s, --deadline-s; {left:.0f} s left)")
+            runs.append(Run("hf-static", bs, error=f"skipped: a compile (~{estimate:.0f} s) would exceed {why}"))
             continue
         run = hf_runs(model, {bs: batches[bs]}, args, "hf-static", cache_implementation="static")[0]
         if run.error is None:
             run.compile_s = max(run.first_call_s - run.seconds, 0.0)
             spent += run.compile_s
+            # After its second shape torch.compile makes the batch dynamic and rarely recompiles: the last compile
+            # is the estimate of the next.
+            estimate = max(run.compile_s, 5.0)
         runs.append(run)
     where = ("CUDA: torch.compile(mode='reduce-overhead')" if args.device.startswith("cuda") else
              "not compiled: transformers compiles its static-cache path only on accelerators")
@@ -276,6 +287,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.started = time.perf_counter()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         outputs = OutputSet(*(Path(f"{args.out}{suffix}") for suffix in (".json", ".csv", ".png")))
@@ -286,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()  # generate()'s per-call notes would bury the progress lines
     if not args.device.startswith("cuda"):
         torch.set_num_threads(1)  # the smoke model's ops are too small to split across threads
-    started = time.perf_counter()
+    started = args.started
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     smoke = args.smoke or not args.device.startswith("cuda")

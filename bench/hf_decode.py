@@ -62,8 +62,10 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, batch sizes 1,2,4: the code path in seconds")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model on CPU, batch sizes 1,2,4: the code path in seconds")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per row (no EOS)")
     p.add_argument("--draft-tokens", type=int, default=4, help="prompt-lookup drafts per verify step, (c) and (e)")
@@ -189,8 +191,9 @@ def static_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argpars
     for bs in order:
         left = args.deadline_s - (time.perf_counter() - args.started)
         if spent + estimate > args.compile_budget_s or estimate + RESERVE_S > left:
-            why = (f"the compile budget ({args.compile_budget_s:.0f} s, --compile-budget-s)" if left > estimate + RESERVE_S
-                   else f"the run's deadline ({args.deadline_s:.0f} s, --deadline-s; {left:.0f} s left)")
+            why = (f"the compile budget ({args.compile_budget_s:.0f} s, --compile-budget-s)"
+                   if left > estimate + RESERVE_S else
+                   f"the run's deadline ({args.deadline_s:.0f} s, --deadline-s; {left:.0f} s left)")
             runs.append(Run("hf-static", bs, error=f"skipped: a compile (~{estimate:.0f} s) would exceed {why}"))
             continue
         run = hf_runs(model, {bs: batches[bs]}, args, "hf-static", cache_implementation="static")[0]

@@ -77,7 +77,8 @@ def check_goals(runs: list[Run], steps: dict[str, float], judged: bool) -> list[
     goal("graphed verify step <= 1.3x graphed plain step at bs 1",
          f"{steps['verify']:.3f} / {steps['decode']:.3f} ms = {r:.2f}x" if r else "no figure",
          None if r is None else r <= 1.3)
-    paying = {bs: (points[("gp-lookup", bs)].accept, _ratio(_tps(points, "gp-lookup", bs), _tps(points, "gp-plain", bs)))
+    paying = {bs: (points[("gp-lookup", bs)].accept,
+                   _ratio(_tps(points, "gp-lookup", bs), _tps(points, "gp-plain", bs)))
               for bs in sizes if ("gp-lookup", bs) in points and (points[("gp-lookup", bs)].accept or 0) >= 1.5}
     accepts = ", ".join(f"bs {r.bs}: {r.accept:.2f}" for r in runs if r.variant == "gp-lookup" and r.accept)
     goal("(e) >= 1.0x (d) where acceptance >= 1.5",

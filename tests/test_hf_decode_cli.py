@@ -21,7 +21,8 @@ def test_smoke_run_writes_json_csv_png_and_the_table_last(tmp_path, capsys):
     points = {(r["variant"], r["bs"]): r for r in data["results"]}
     assert set(points) == {(v, b) for v in ("hf-eager", "hf-static", "hf-lookup", "gp-plain", "gp-lookup")
                            for b in (1, 2)}
-    for key in [("hf-eager", 1), ("hf-eager", 2), ("hf-static", 2), ("hf-lookup", 1), ("gp-plain", 2), ("gp-lookup", 2)]:
+    for key in [("hf-eager", 1), ("hf-eager", 2), ("hf-static", 2), ("hf-lookup", 1), ("gp-plain", 2),
+                ("gp-lookup", 2)]:
         assert points[key]["tokens_per_s"] > 0 and points[key]["error"] is None, key
     assert "refused by transformers" in points[("hf-lookup", 2)]["error"]  # (c) cannot batch; (e) does
     assert points[("gp-plain", 2)]["match_vs_eager"] == 1.0 and points[("gp-lookup", 2)]["match_vs_eager"] == 1.0
@@ -41,7 +42,8 @@ def _runs(d: float, b: float, accept: float) -> list[Run]:
             Run("hf-lookup", 1, tokens_per_s=90.0), Run("hf-eager", 2, tokens_per_s=150.0),
             Run("hf-static", 2, error="skipped: the compile budget"), Run("gp-plain", 2, tokens_per_s=300.0),
             Run("gp-lookup", 2, tokens_per_s=250.0, accept=1.2),
-            Run("hf-lookup", 2, error="refused by transformers: assisted generate is only supported for batch_size = 1")]
+            Run("hf-lookup", 2, error="refused by transformers: assisted generate is only supported for "
+                                      "batch_size = 1")]
     return runs
 
 

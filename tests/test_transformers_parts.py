@@ -141,7 +141,8 @@ def test_grouped_attention_equals_transformers_sdpa():
     cache = tfm.SlotCache(model, num_slots=2, max_len=9)
     torch.manual_seed(0)
     rows, heads, kv_heads, tokens, dim = 3, 4, 2, 2, 16
-    q, k, v = torch.randn(rows, heads, tokens, dim), torch.randn(rows, kv_heads, 9, dim), torch.randn(rows, kv_heads, 9, dim)
+    q = torch.randn(rows, heads, tokens, dim)
+    k, v = torch.randn(rows, kv_heads, 9, dim), torch.randn(rows, kv_heads, 9, dim)
     positions = torch.tensor([[0, 1], [4, 5], [7, 8]])
     module = model.model.layers[0].self_attn  # num_key_value_groups = 2
     want, _ = sdpa_attention_forward(module, q, k, v, cache.attention_mask(positions), scaling=0.25)

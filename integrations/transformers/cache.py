@@ -33,7 +33,7 @@ DUMMY_SLOT = 0
 
 
 class SlotLayer(CacheLayerMixin):
-    """One decoder layer's keys and values, ``[num_slots, kv_heads, max_len, head_dim]`` each (see :class:`SlotCache`)."""
+    """One decoder layer's keys and values, ``[num_slots, kv_heads, max_len, head_dim]`` each (:class:`SlotCache`)."""
 
     is_sliding = False
     is_compileable = False

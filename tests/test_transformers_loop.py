@@ -152,3 +152,15 @@ def test_build_pool_sampler_feeds_both_modes(device: str):
             assert got.shape == (bs * width,) and got.dtype == torch.int64
             assert ((0 <= got) & (got < model.config.vocab_size)).all()
     pool.close()
+
+
+def test_prefill_in_several_batches_under_a_token_budget():
+    """Admitted prompts are prefilled in batches of at most prefill_tokens padded tokens: the same tokens."""
+    model, eos, want = oracle("llama", "cpu")
+    generator = tfm.PoolGenerator(model, max_len=48, max_batch=6, batch_sizes=BATCH_SIZES, num_draft_tokens=3,
+                                  prefill_tokens=20)
+    calls = []
+    prefill = generator.forward.prefill
+    generator.forward.prefill = lambda prompts, slots: calls.append(len(prompts)) or prefill(prompts, slots)
+    assert generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos).tokens == want
+    assert len(calls) > 1 and sum(calls) == len(PROMPTS) and max(calls) <= 2  # prompts of 9-11 tokens, 20 a batch

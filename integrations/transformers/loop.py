@@ -83,6 +83,7 @@ class GenerationResult:
         return sum(map(len, self.tokens))
 
     def steps_of(self, mode: str) -> list[StepRecord]:
+        """The steps of one mode (``"decode"`` or ``"verify"``), in order."""
         return [s for s in self.steps if s.mode == mode]
 
     @property
@@ -144,6 +145,8 @@ class PoolGenerator:
         verify_batch_sizes: batch sizes of the verify graphs (default: ``batch_sizes``).
         max_ngram: the longest n-gram prompt lookup matches (down to 1).
         grouped_attention: see :class:`SlotForward` (``sdpa`` models: keys read once per key/value head).
+        prefill_tokens: the most (padded) tokens one eager prefill batch carries; more admitted prompts are
+            prefilled in several batches (at least one prompt each).
         debug: the pool's debug mode (bounds of every input checked, each step waited for).
         inputs: the pool's input declarations, ``inputs(cache, vocab_size)``; default :func:`step_inputs`.
             Change it only knowingly: a wrong fill breaks padded rows (this package's tests pass one to show
@@ -154,11 +157,15 @@ class PoolGenerator:
     def __init__(self, model: torch.nn.Module, *, max_len: int, max_batch: int | None = None,
                  batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int = 4,
                  verify_batch_sizes: Sequence[int] | None = None, max_ngram: int = 3, grouped_attention: bool = True,
-                 debug: bool = False, inputs: InputsFn = step_inputs, progress: bool = False):
+                 prefill_tokens: int = 8192, debug: bool = False, inputs: InputsFn = step_inputs,
+                 progress: bool = False):
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decode only), got {num_draft_tokens}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (requests running at once), got {max_batch}")
         sizes = tuple(sorted(set(batch_sizes)))
         self.model, self.max_len, self.num_draft_tokens, self.max_ngram = model, max_len, num_draft_tokens, max_ngram
+        self.prefill_tokens = prefill_tokens
         self.max_batch = sizes[-1] if max_batch is None else max_batch
         device = next(model.parameters()).device
         with torch.inference_mode():
@@ -208,17 +215,16 @@ class PoolGenerator:
         while waiting or running:
             if waiting and self.cache.free_slots:
                 started = time.perf_counter()
-                running += self._admit(waiting, eos)
+                running = self._running(running + self._admit(waiting, eos))
                 result.prefill_s += time.perf_counter() - started
-                running = [r for r in running if r.finish is None or self._retire(r)]
-                if not running:
+                if not running:  # every admitted request ended at its first token
                     continue
             started = time.perf_counter()
             record = self._step(running, eos, policy, gate)
             record = StepRecord(*record, seconds=time.perf_counter() - started)
             result.steps.append(record)
             result.decode_s += record.seconds
-            running = [r for r in running if r.finish is None or self._retire(r)]
+            running = self._running(running)
         for r in requests:
             result.tokens[r.index], result.finish[r.index] = r.tokens, r.finish
         return result
@@ -254,19 +260,31 @@ class PoolGenerator:
         return frozenset([eos_token_id] if isinstance(eos_token_id, int) else map(int, eos_token_id))
 
     def _admit(self, waiting: list[_Request], eos: frozenset[int]) -> list[_Request]:
-        """Prefill as many waiting requests as there are free slots (one eager batch); returns them."""
+        """Prefill as many waiting requests as there are free slots (eager batches of at most ``prefill_tokens``
+        padded tokens); returns them, each with its first token."""
         admitted = [waiting.pop(0) for _ in range(min(len(waiting), self.cache.free_slots))]
-        for r in admitted:
+        chunk: list[_Request] = []
+        for i, r in enumerate(admitted):
             r.slot = self.cache.allocate()
-        first = self.forward.prefill([r.history.tokens for r in admitted], [r.slot for r in admitted])
-        for r, token in zip(admitted, first):
-            self._commit(r, [token], eos)
+            chunk.append(r)
+            after = admitted[i + 1] if i + 1 < len(admitted) else None
+            longest = max(r.prompt_len for r in chunk + ([after] if after else []))
+            if after is None or (len(chunk) + 1) * longest > self.prefill_tokens:
+                first = self.forward.prefill([c.history.tokens for c in chunk], [c.slot for c in chunk])
+                for c, token in zip(chunk, first):
+                    self._commit(c, [token], eos)
+                chunk = []
         return admitted
 
-    def _retire(self, r: _Request) -> bool:
-        """Free a finished request's slot (returns False: it leaves the running list)."""
-        self.cache.free(r.slot)
-        return False
+    def _running(self, requests: list[_Request]) -> list[_Request]:
+        """The requests still running; finished ones give their slots back."""
+        running = []
+        for r in requests:
+            if r.finish is None:
+                running.append(r)
+            else:
+                self.cache.free(r.slot)
+        return running
 
     @staticmethod
     def _commit(r: _Request, tokens: list[int], eos: frozenset[int]) -> int:

@@ -36,7 +36,8 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     q = query.reshape(rows, kv_heads, groups * tokens, dim)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling)
-    return out.view(rows, heads, tokens, dim).transpose(1, 2).contiguous(), None
+    # reshape, not view: CUDA's memory-efficient kernel returns its output in a transposed layout.
+    return out.reshape(rows, heads, tokens, dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)

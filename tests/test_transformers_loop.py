@@ -164,3 +164,23 @@ def test_prefill_in_several_batches_under_a_token_budget():
     generator.forward.prefill = lambda prompts, slots: calls.append(len(prompts)) or prefill(prompts, slots)
     assert generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos).tokens == want
     assert len(calls) > 1 and sum(calls) == len(PROMPTS) and max(calls) <= 2  # prompts of 9-11 tokens, 20 a batch
+
+
+def test_a_failed_generation_gives_its_slots_back():
+    model, eos, want = oracle("llama", "cpu")
+    generator = tfm.PoolGenerator(model, max_len=48, max_batch=6, batch_sizes=BATCH_SIZES, num_draft_tokens=3)
+    run_step = generator.pool.run
+    calls = []
+
+    def fail_on_the_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return run_step(*args, **kwargs)
+
+    generator.pool.run = fail_on_the_fifth
+    with pytest.raises(KeyboardInterrupt):
+        generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos)
+    assert generator.cache.free_slots == 6
+    generator.pool.run = run_step
+    assert generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos).tokens == want

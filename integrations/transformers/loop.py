@@ -212,19 +212,25 @@ class PoolGenerator:
         eos = self._eos(eos_token_id)
         result = GenerationResult(tokens=[[] for _ in requests], finish=[""] * len(requests))
         waiting, running = list(requests), []
-        while waiting or running:
-            if waiting and self.cache.free_slots:
+        try:
+            while waiting or running:
+                if waiting and self.cache.free_slots:
+                    started = time.perf_counter()
+                    running = self._running(running + self._admit(waiting, eos))
+                    result.prefill_s += time.perf_counter() - started
+                    if not running:  # every admitted request ended at its first token
+                        continue
                 started = time.perf_counter()
-                running = self._running(running + self._admit(waiting, eos))
-                result.prefill_s += time.perf_counter() - started
-                if not running:  # every admitted request ended at its first token
-                    continue
-            started = time.perf_counter()
-            record = self._step(running, eos, policy, gate)
-            record = StepRecord(*record, seconds=time.perf_counter() - started)
-            result.steps.append(record)
-            result.decode_s += record.seconds
-            running = self._running(running)
+                record = self._step(running, eos, policy, gate)
+                record = StepRecord(*record, seconds=time.perf_counter() - started)
+                result.steps.append(record)
+                result.decode_s += record.seconds
+                running = self._running(running)
+        finally:  # an error or interrupt mid-way must not keep slots from the next call
+            for r in requests:
+                if r.slot:
+                    self.cache.free(r.slot)
+                    r.slot = 0
         for r in requests:
             result.tokens[r.index], result.finish[r.index] = r.tokens, r.finish
         return result
@@ -268,7 +274,7 @@ class PoolGenerator:
             r.slot = self.cache.allocate()
             chunk.append(r)
             after = admitted[i + 1] if i + 1 < len(admitted) else None
-            longest = max(r.prompt_len for r in chunk + ([after] if after else []))
+            longest = max(c.prompt_len for c in chunk + ([after] if after else []))
             if after is None or (len(chunk) + 1) * longest > self.prefill_tokens:
                 first = self.forward.prefill([c.history.tokens for c in chunk], [c.slot for c in chunk])
                 for c, token in zip(chunk, first):
@@ -284,6 +290,7 @@ class PoolGenerator:
                 running.append(r)
             else:
                 self.cache.free(r.slot)
+                r.slot = 0
         return running
 
     @staticmethod

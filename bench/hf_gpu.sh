@@ -11,7 +11,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHPOOL_NO_EXTENSION=${GRAPHPOOL_NO_EXTENSION:-1}
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name())" 2>&1 | tee "$OUT/hf_gpu_tests.log"
-timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers_loop.py \
+timeout 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers_loop.py \
     tests/test_transformers_example.py 2>&1 | tee -a "$OUT/hf_gpu_tests.log" |
     grep -E "passed|failed|error|FAILED|Error" | tail -20
 timeout 400 python3 bench/hf_decode.py --out "$OUT/hf_decode" ${HF_ARGS:-} > "$OUT/hf_decode.log" 2>&1

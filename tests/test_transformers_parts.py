@@ -164,3 +164,22 @@ def test_grouped_attention_is_on_only_inside_the_step():
     seen.clear()
     plain.generate([[1, 2, 3]], 3, eos_token_id=[])
     assert set(seen) == {"sdpa"}
+
+
+def test_static_cache_fails_at_the_second_batch_size_and_the_remedy_names_slot_cache():
+    """Why SlotCache exists: transformers' StaticCache takes its batch size from its first write, so a pool's
+    second batch size fails in index_copy_; the CaptureError's remedy names this package's cache, which exists."""
+    from transformers import StaticCache
+    model = tiny_model("llama")
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("input_ids", torch.int64),
+                                                 gp.StepInput("positions", torch.int64)], [1, 2])
+
+    def step(batch):
+        ids, positions = (batch.inputs[n].view(batch.bs, 1) for n in ("input_ids", "positions"))
+        return {"logits": model(input_ids=ids, position_ids=positions, use_cache=True, **{name: cache}).logits}
+
+    with torch.inference_mode(), pytest.raises(gp.CaptureError, match="index_copy_") as e:
+        pool.capture(step, outputs={"logits": "seq"}, progress=False)
+    assert "graphpool.integrations.transformers.SlotCache" in str(e.value) and tfm.SlotCache.__name__ == "SlotCache"

@@ -6,10 +6,35 @@ repeat themselves soon, so prompt lookup finds drafts.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any
+
 import pytest
 import torch
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
+
+#: For the test modules: skip them where transformers is not installed (found without importing it).
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="needs transformers: pip install -e '.[transformers]'")
+
+
+class _OnFirstUse(ModuleType):
+    """A module imported when one of its names is first read. The test modules must not import transformers
+    while pytest collects them: transformers decides once, at its import, whether torchvision exists, and the
+    SGLang tests' harness puts its torchvision stand-in on sys.path only when they are collected (after
+    test_hf_decode_cli.py, say); imported earlier, SGLang's image-processor registration fails."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # pytest's collection asks for __test__ and the like: no import for those
+            raise AttributeError(name)
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+#: graphpool.integrations.transformers, imported on first use.
+tfm = _OnFirstUse("graphpool.integrations.transformers")
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,

@@ -5,15 +5,13 @@ from __future__ import annotations
 import csv
 import json
 
-import pytest
-
-pytest.importorskip("graphpool.integrations.transformers")
-
-from bench import hf_decode  # noqa: E402
-from bench.hf_report import Run, check_goals  # noqa: E402
-from tests.hf_models import one_thread  # noqa: E402,F401 (a fixture)
+from bench import hf_decode
+from bench.hf_report import Run, check_goals
+from tests.hf_models import needs_transformers
+from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 
 
+@needs_transformers
 def test_smoke_run_writes_json_csv_png_and_the_table_last(tmp_path, capsys):
     out = tmp_path / "hf"
     assert hf_decode.main(["--smoke", "--batch-sizes", "1,2", "--out", str(out)]) == 0

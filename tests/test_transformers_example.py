@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.hf_models import one_thread  # noqa: F401 (a fixture)
+from tests.hf_models import needs_transformers, tfm
 from tests.hf_models import reference
 
-pytest.importorskip("graphpool.integrations.transformers")
+pytestmark = needs_transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_decode.py")
@@ -43,7 +44,6 @@ def test_readme_snippet_is_short_and_names_what_exists():
     text = open(os.path.join(ROOT, "integrations", "transformers", "README.md")).read()
     section = text.split("\n<!--")[0].split("\n## ")[0]  # the section, without the note below it
     assert len(section.strip().splitlines()) <= 14, "the README section must read in a minute"
-    import graphpool.integrations.transformers as tfm
     for name in ("PoolGenerator", "SpeculationPolicy", "generate"):
         assert name in section and (hasattr(tfm, name) or name == "SpeculationPolicy")
     assert "examples/transformers_decode.py" in section and "docs/transformers.md" in section

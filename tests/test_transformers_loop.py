@@ -13,9 +13,10 @@ import torch
 
 import graphpool as gp
 from tests.hf_models import one_thread  # noqa: F401 (a fixture)
+from tests.hf_models import needs_transformers, tfm
 from tests.hf_models import reference, tiny_model
 
-tfm = pytest.importorskip("graphpool.integrations.transformers")
+pytestmark = needs_transformers
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 #: Different lengths; repeated spans (a quoted line, an edited one) so that lookup finds drafts early.

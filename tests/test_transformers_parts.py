@@ -10,9 +10,10 @@ import torch
 
 import graphpool as gp
 from tests.hf_models import one_thread  # noqa: F401 (a fixture)
+from tests.hf_models import needs_transformers, tfm
 from tests.hf_models import tiny_model
 
-tfm = pytest.importorskip("graphpool.integrations.transformers")
+pytestmark = needs_transformers
 
 
 def brute_force_draft(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:

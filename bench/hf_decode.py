@@ -303,10 +303,41 @@ def main(argv: list[str] | None = None) -> int:
     except OutputError as exc:
         raise SystemExit(f"hf_decode: {exc}") from None
     import transformers
-    from graphpool.integrations.transformers import PoolGenerator
+    verbosity, threads = transformers.logging.get_verbosity(), torch.get_num_threads()
     transformers.logging.set_verbosity_error()  # generate()'s per-call notes would bury the progress lines
     if not args.device.startswith("cuda"):
         torch.set_num_threads(1)  # the smoke model's ops are too small to split across threads
+    try:
+        return run(args, outputs)
+    finally:  # called in-process (the smoke test), the caller's settings come back
+        transformers.logging.set_verbosity(verbosity)
+        torch.set_num_threads(threads)
+
+
+def graphpool_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argparse.Namespace,
+                   max_len: int) -> tuple[list[Run], dict[str, float], float | None]:
+    """(d) and (e) from one PoolGenerator (captured once), and the graphed steps' GPU times; a failed capture is
+    recorded on every (d) and (e) point."""
+    from graphpool.integrations.transformers import PoolGenerator
+    try:
+        generator = PoolGenerator(model, max_len=max_len, batch_sizes=args.batch_sizes,
+                                  num_draft_tokens=args.draft_tokens, progress=True)
+    except Exception as exc:
+        log.exception("PoolGenerator failed")
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return [Run(v, bs, error=error) for v in ("gp-plain", "gp-lookup") for bs in batches], {}, None
+    print(f"hf_decode: graphpool captured {len(generator.pool.graph_keys)} graphs in {generator.capture_s:.2f} s "
+          f"({generator.cache!r})", flush=True)
+    steps = step_times(generator, args)
+    print("hf_decode: graphed step at bs 1: " + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steps.items()), flush=True)
+    runs = pool_runs(generator, batches, args, speculate=False) + pool_runs(generator, batches, args, speculate=True)
+    generator.close()
+    return runs, steps, generator.capture_s
+
+
+def run(args: argparse.Namespace, outputs: OutputSet) -> int:
+    """Every variant, then the files and the table."""
+    import transformers
     started = args.started
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
@@ -320,27 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = {bs: Batch.of(prompts[:bs], args.device) for bs in args.batch_sizes}
     max_len = max(map(len, prompts)) + args.new_tokens + args.draft_tokens
 
-    generator, capture_s, capture_error = None, None, None
-    try:
-        generator = PoolGenerator(model, max_len=max_len, batch_sizes=args.batch_sizes,
-                                  num_draft_tokens=args.draft_tokens, progress=True)
-        capture_s = generator.capture_s
-        print(f"hf_decode: graphpool captured {len(generator.pool.graph_keys)} graphs in {capture_s:.2f} s "
-              f"({generator.cache!r})", flush=True)
-    except Exception as exc:
-        log.exception("PoolGenerator failed")
-        capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    runs: list[Run] = []
-    steps = {}
-    if generator is not None:
-        steps = step_times(generator, args)
-        print("hf_decode: graphed step at bs 1: " + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steps.items()),
-              flush=True)
-        runs += pool_runs(generator, batches, args, speculate=False)
-        runs += pool_runs(generator, batches, args, speculate=True)
-        generator.close()
-    else:
-        runs += [Run(v, bs, error=capture_error) for v in ("gp-plain", "gp-lookup") for bs in batches]
+    runs, steps, capture_s = graphpool_runs(model, batches, args, max_len)
     runs += hf_runs(model, batches, args, "hf-eager")
     runs += lookup_runs(model, batches, args)
     runs += static_runs(model, batches, args)  # last: its compiled graphs and memory stay with the model

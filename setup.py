@@ -28,7 +28,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["graphpool", "graphpool.bench", "graphpool.kernels", "graphpool.integrations",
-              "graphpool.integrations.sglang"],
+              "graphpool.integrations.sglang", "graphpool.integrations.transformers"],
     package_dir={"graphpool": "graphpool", "graphpool.kernels": "kernels",
                  "graphpool.integrations": "integrations"},
     package_data={"graphpool": ["csrc/*.cpp"]},
@@ -46,5 +46,7 @@ setup(
         "sglang": [SGLANG],
         # CI (CPU): SGLang's classes without its CUDA stack; then `pip install --no-deps sglang==0.5.12.post1`.
         "sglang-classes": SGLANG_CLASSES,
+        # graphpool.integrations.transformers: the releases it supports (integrations/transformers/versions.py).
+        "transformers": ["transformers>=5.6,<5.25"],
     },
 )

@@ -1,0 +1,54 @@
+"""bench/hf_decode.py --smoke runs the whole benchmark path on CPU (tiny model, eager twin) in seconds and writes
+its JSON, CSV and plot; the goals are reported but not judged on a smoke run."""
+from __future__ import annotations
+
+import csv
+import json
+
+from bench import hf_decode
+from bench.hf_report import Run, check_goals
+from tests.hf_models import needs_transformers
+from tests.hf_models import one_thread  # noqa: F401 (a fixture)
+
+
+@needs_transformers
+def test_smoke_run_writes_json_csv_png_and_the_table_last(tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert hf_decode.main(["--smoke", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    points = {(r["variant"], r["bs"]): r for r in data["results"]}
+    assert set(points) == {(v, b) for v in ("hf-eager", "hf-static", "hf-lookup", "gp-plain", "gp-lookup")
+                           for b in (1, 2)}
+    for key in [("hf-eager", 1), ("hf-eager", 2), ("hf-static", 2), ("hf-lookup", 1), ("gp-plain", 2),
+                ("gp-lookup", 2)]:
+        assert points[key]["tokens_per_s"] > 0 and points[key]["error"] is None, key
+    assert "refused by transformers" in points[("hf-lookup", 2)]["error"]  # (c) cannot batch; (e) does
+    assert points[("gp-plain", 2)]["match_vs_eager"] == 1.0 and points[("gp-lookup", 2)]["match_vs_eager"] == 1.0
+    assert max(points[("gp-lookup", b)]["accept"] or 0 for b in (1, 2)) > 1 and points[("gp-plain", 1)]["misses"] == 0
+    assert set(data["step_gpu_ms"]) == {"decode", "verify"} and data["meta"]["smoke"] is True
+    assert len(data["goals"]) == 5 and all(g["status"].startswith("not judged") for g in data["goals"])
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert len(rows) == 10 and out.with_suffix(".png").stat().st_size > 5000
+    text = capsys.readouterr().out
+    assert text.rstrip().splitlines()[-1].startswith("hf_decode: smoke run done")
+    assert "SMOKE RUN" in text and "d/b" in text and "goal not judged" in text
+
+
+def _runs(d: float, b: float, accept: float) -> list[Run]:
+    runs = [Run("hf-eager", 1, tokens_per_s=100.0), Run("hf-static", 1, tokens_per_s=b),
+            Run("gp-plain", 1, tokens_per_s=d), Run("gp-lookup", 1, tokens_per_s=d * 1.5, accept=accept),
+            Run("hf-lookup", 1, tokens_per_s=90.0), Run("hf-eager", 2, tokens_per_s=150.0),
+            Run("hf-static", 2, error="skipped: the compile budget"), Run("gp-plain", 2, tokens_per_s=300.0),
+            Run("gp-lookup", 2, tokens_per_s=250.0, accept=1.2),
+            Run("hf-lookup", 2, error="refused by transformers: assisted generate is only supported for "
+                                      "batch_size = 1")]
+    return runs
+
+
+def test_goals_pass_fail_and_not_applicable():
+    goals = {g["goal"]: g for g in check_goals(_runs(250.0, 200.0, 3.0), {"decode": 1.0, "verify": 1.2}, judged=True)}
+    status = [g["status"] for g in goals.values()]
+    assert status == ["PASS", "PASS", "PASS", "PASS", "PASS"], goals
+    assert "no (b) figure at bs [2]" in goals["(d) >= 1.0x (b) at every bs measured"]["value"]
+    bad = [g["status"] for g in check_goals(_runs(150.0, 200.0, 1.2), {"decode": 1.0, "verify": 1.4}, judged=True)]
+    assert bad == ["FAIL", "FAIL", "FAIL", "n.a.", "PASS"]

@@ -1,0 +1,186 @@
+"""graphpool.integrations.transformers, its parts: prompt lookup against a brute-force search, the slot cache's
+rules (allocation, binding, the mask), and the refusals (releases, families, attention, windows, lengths)."""
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+import torch
+
+import graphpool as gp
+from tests.hf_models import one_thread  # noqa: F401 (a fixture)
+from tests.hf_models import needs_transformers, tfm
+from tests.hf_models import tiny_model
+
+pytestmark = needs_transformers
+
+
+def brute_force_draft(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The longest suffix n-gram's latest earlier occurrence with tokens after it, by scanning everything."""
+    for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # an occurrence ending before the last token
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + count]
+    return []
+
+
+def test_lookup_equals_brute_force_search_as_the_history_grows():
+    rng = random.Random(0)
+    for trial in range(200):
+        vocab, max_ngram = rng.choice([3, 5, 20]), rng.randint(1, 4)
+        min_ngram = rng.randint(1, max_ngram)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        index = tfm.NgramIndex(list(tokens), max_ngram=max_ngram, min_ngram=min_ngram)
+        for _ in range(12):
+            count = rng.randint(1, 5)
+            assert index.propose(count) == brute_force_draft(tokens, count, max_ngram, min_ngram), (trial, tokens)
+            new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+            tokens += new
+            index.extend(new)
+
+
+def test_lookup_examples():
+    index = tfm.NgramIndex([1, 2, 3, 4, 1, 2, 3, 9, 7, 1, 2], max_ngram=3)
+    assert index.propose(3) == [3, 9, 7]  # "1 2" last occurred before "3 9"; the longest match is 2 tokens
+    assert tfm.NgramIndex([5, 6, 7]).propose(4) == []
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        tfm.NgramIndex([1], max_ngram=1, min_ngram=2)
+
+
+def test_cache_slots_binding_and_mask():
+    model = tiny_model("llama")
+    cache = tfm.SlotCache(model, num_slots=3, max_len=8)
+    layer = cache.layers[0]
+    assert layer.keys.shape == (3, 2, 8, 16) and len(cache.layers) == 2 and cache.nbytes == 2 * 2 * 3 * 2 * 8 * 16 * 4
+    assert [cache.allocate(), cache.allocate()] == [1, 2]  # never the dummy slot 0
+    with pytest.raises(RuntimeError, match="all 2 sequence slots"):
+        cache.allocate()
+    cache.free(1)
+    for bad in (0, 1, 3):
+        with pytest.raises(ValueError, match="not a taken sequence slot"):
+            cache.free(bad)
+    with pytest.raises(NotImplementedError, match="no single length"):
+        cache.get_seq_length()
+    positions = torch.tensor([[2, 3], [0, 1]])
+    mask = cache.attention_mask(positions)
+    assert mask.shape == (2, 1, 2, 8) and mask.dtype == torch.float32
+    visible = (mask == 0).squeeze(1)
+    assert visible[0, 0].tolist() == [True] * 3 + [False] * 5 and visible[1, 1].tolist() == [True] * 2 + [False] * 6
+    # A token's keys land at its (slot, position) and nowhere else.
+    with torch.inference_mode():
+        cache.bind(torch.tensor([2, 1]), positions)
+        k = torch.arange(2 * 2 * 2 * 16, dtype=torch.float32).view(2, 2, 2, 16)
+        keys, _ = layer.update(k, -k)
+    assert torch.equal(layer.keys[2][:, 2:4], k[0]) and torch.equal(layer.keys[1][:, 0:2], k[1])
+    assert layer.keys[0].abs().sum() == 0 and layer.keys[2][:, :2].abs().sum() == 0
+    assert torch.equal(keys[0], layer.keys[2]) and torch.equal(keys[1], layer.keys[1])
+
+
+def test_cache_refuses_a_forward_without_bind():
+    model = tiny_model("llama")
+    cache = tfm.SlotCache(model, num_slots=2, max_len=8)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed it
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="bind"):
+        model(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 1]]),
+              attention_mask=cache.attention_mask(torch.tensor([[0, 1]])), use_cache=True, **{name: cache})
+
+
+@pytest.mark.parametrize("version, why", [("4.57.1", "older releases"), ("5.5.4", "older releases"),
+                                          ("5.25.0", "newer than every release"), ("dev", "not a release number")])
+def test_unsupported_releases_are_refused(version: str, why: str):
+    with pytest.raises(tfm.UnsupportedModelError, match=why) as e:
+        tfm.check_version(version)
+    assert f"found transformers {version}" in str(e.value) and "5.6.0 to 5.24.x" in str(e.value)
+
+
+def test_supported_releases_pass():
+    for version in ("5.6.0", "5.17.0", "5.24.0", "5.24.3", tfm.versions.transformers_version()):
+        tfm.check_version(version)
+
+
+def test_unsupported_attention_family_and_window_are_refused():
+    model = tiny_model("llama")
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(tfm.UnsupportedModelError, match="attention implementation 'flex_attention'.*sdpa"):
+        tfm.PoolGenerator(model, max_len=16)
+    import transformers
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(tfm.UnsupportedModelError, match="model type 'gpt2'"):
+        tfm.SlotCache(gpt2, num_slots=2, max_len=16)
+    mistral = tiny_model("mistral")  # window 512
+    tfm.SlotCache(mistral, num_slots=2, max_len=512)
+    with pytest.raises(tfm.UnsupportedModelError, match="sliding window of 512 tokens, shorter than max_len 513"):
+        tfm.SlotCache(mistral, num_slots=2, max_len=513)
+    with pytest.raises(tfm.UnsupportedModelError, match="no lm_head"):
+        tfm.SlotCache(tiny_model("llama").model, num_slots=2, max_len=16)
+
+
+def test_requests_that_do_not_fit_are_refused():
+    model = tiny_model("llama")
+    generator = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 1: 10 tokens \+ max_new_tokens 5 \+ 2 drafts exceed .* max_len 16"):
+        generator.generate([[1], [2] * 10], 5, policy=gp.SpeculationPolicy(off_above=1))
+    generator.generate([[1], [2] * 10], 6, eos_token_id=[])  # no drafts without a policy: 16 fit
+    with pytest.raises(ValueError, match="non-empty list of token ids in"):
+        generator.generate([[]], 2)
+    with pytest.raises(ValueError, match="one per prompt"):
+        generator.generate([[1], [2]], [3])
+    plain = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=0)
+    with pytest.raises(ValueError, match="num_draft_tokens > 0"):
+        plain.generate([[1]], 2, policy=gp.SpeculationPolicy(off_above=1))
+
+
+def test_grouped_attention_equals_transformers_sdpa():
+    """Query heads that share a key/value head ride as rows of it: the same output as transformers' sdpa, which
+    repeats the keys for them, on a mask of rows at different positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from graphpool.integrations.transformers.attention import grouped_sdpa
+    model = tiny_model("llama")
+    cache = tfm.SlotCache(model, num_slots=2, max_len=9)
+    torch.manual_seed(0)
+    rows, heads, kv_heads, tokens, dim = 3, 4, 2, 2, 16
+    q = torch.randn(rows, heads, tokens, dim)
+    k, v = torch.randn(rows, kv_heads, 9, dim), torch.randn(rows, kv_heads, 9, dim)
+    positions = torch.tensor([[0, 1], [4, 5], [7, 8]])
+    module = model.model.layers[0].self_attn  # num_key_value_groups = 2
+    want, _ = sdpa_attention_forward(module, q, k, v, cache.attention_mask(positions), scaling=0.25)
+    got, _ = grouped_sdpa(module, q, k, v, cache.attention_mask(positions, groups=2), scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    wrong, _ = grouped_sdpa(module, q, k, v, cache.attention_mask(positions.flip(0), groups=2), scaling=0.25)
+    assert not torch.allclose(wrong, want, atol=1e-3)  # the check can fail: rows read their own positions
+
+
+def test_grouped_attention_is_on_only_inside_the_step():
+    model = tiny_model("qwen3")
+    generator = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0)
+    seen = []
+    attention = model.model.layers[0].self_attn
+    attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    generator.generate([[1, 2, 3]], 3, eos_token_id=[])
+    assert seen and set(seen) == {"graphpool_grouped_sdpa"} and model.config._attn_implementation == "sdpa"
+    plain = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0, grouped_attention=False)
+    seen.clear()
+    plain.generate([[1, 2, 3]], 3, eos_token_id=[])
+    assert set(seen) == {"sdpa"}
+
+
+def test_static_cache_fails_at_the_second_batch_size_and_the_remedy_names_slot_cache():
+    """Why SlotCache exists: transformers' StaticCache takes its batch size from its first write, so a pool's
+    second batch size fails in index_copy_; the CaptureError's remedy names this package's cache, which exists."""
+    from transformers import StaticCache
+    model = tiny_model("llama")
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    pool = gp.GraphPool([gp.Mode("decode", 1)], [gp.StepInput("input_ids", torch.int64),
+                                                 gp.StepInput("positions", torch.int64)], [1, 2])
+
+    def step(batch):
+        ids, positions = (batch.inputs[n].view(batch.bs, 1) for n in ("input_ids", "positions"))
+        return {"logits": model(input_ids=ids, position_ids=positions, use_cache=True, **{name: cache}).logits}
+
+    with torch.inference_mode(), pytest.raises(gp.CaptureError, match="index_copy_") as e:
+        pool.capture(step, outputs={"logits": "seq"}, progress=False)
+    assert "graphpool.integrations.transformers.SlotCache" in str(e.value) and tfm.SlotCache.__name__ == "SlotCache"

@@ -166,8 +166,8 @@ def test_bad_step_is_one_line_saying_what_is_expected(tmp_path, capsys, monkeypa
     monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory on it
     err = refused(capsys, [*TINY, "--step", spec, "--out", str(tmp_path / "rl")])
     assert err.startswith(f"graphpool-bench: --step {spec}: ")
-    assert err.endswith("expected a built-in step (default, sglang) or module:factory, factory(device, max_tokens) "
-                        "-> BenchStep")
+    assert err.endswith("expected a built-in step (default, sglang, transformers) or module:factory, factory(device, "
+                        "max_tokens) -> BenchStep")
     assert not (tmp_path / "rl").exists()  # refused before the outputs were even checked
 
 
@@ -330,3 +330,17 @@ def test_the_python_api_times_a_step_of_ones_own():
     assert {(r["mode"], r["bs"], r["method"]) for r in result.rows} == {
         (m, b, meth) for m in ("decode", "verify") for b in (1, 2) for meth in ("graphpool", "eager")}
     assert all(r["token_match"] == 1.0 for r in result.rows) and result.env["misses"] == 0
+
+
+@pytest.mark.parametrize("name", ["sglang", "transformers"])
+def test_the_integrations_steps_run_their_own_declarations(tmp_path, capsys, name):
+    """--step sglang and --step transformers: the pools the integrations build, with their declarations."""
+    if name == "sglang":
+        from optional import require_sglang
+        require_sglang()
+        import sglang_harness  # noqa: F401 (its stand-ins for torchvision and sgl_kernel, as every SGLang test)
+    else:
+        pytest.importorskip("transformers")
+    data, _ = run(tmp_path, capsys, "--device", "cpu", "--step", name, "--modes", "decode:1,verify:4")
+    assert {(r["mode"], r["bs"]) for r in data["rows"]} == {(m, b) for m in ("decode", "verify") for b in (1, 2)}
+    assert all(r["token_match"] == 1.0 for r in data["rows"]) and data["env"]["misses"] == 0

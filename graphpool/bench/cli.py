@@ -11,7 +11,8 @@ On a CPU only graphpool (on its eager twin) and eager run, with fewer iterations
 screen): a smoke run of the code path, not a speed measurement.
 
 Steps: ``--step default`` (the embedded step), ``--step sglang`` (graphpool's SGLang runners' input
-declarations; needs SGLang), ``--step module:factory`` for your own (``factory(device, max_tokens) ->
+declarations; needs SGLang), ``--step transformers`` (a small Llama through graphpool's transformers
+integration; needs transformers), ``--step module:factory`` for your own (``factory(device, max_tokens) ->
 graphpool.bench.BenchStep``; ``module`` is looked up first in the current working directory, then on Python's
 path). Writes JSON, CSV and a PNG plot to --out, all three or none: a run that fails or is interrupted leaves
 the previous set as it was. Each method is timed exactly --iters steps per key, in rounds of 10 (the last round
@@ -79,7 +80,8 @@ def parse_args(argv: list[str] | None = None, default_out: str | None = None) ->
                    help=f"untimed steps per method first, >= 0 (default GPU {GPU_DEFAULTS['warmup']}, "
                         f"CPU {CPU_DEFAULTS['warmup']})")
     p.add_argument("--step", default=None,
-                   help="default (the embedded step), sglang (graphpool's SGLang runners' inputs), or module:factory "
+                   help="default (the embedded step), sglang (graphpool's SGLang runners' inputs), transformers (a small "
+                        "Llama through graphpool's transformers integration), or module:factory "
                         "of your own step, factory(device, max_tokens) -> graphpool.bench.BenchStep; the module is "
                         "looked up in the current working directory first, then on Python's path (default: default)")
     p.add_argument("--out", default=default_out or os.path.join("out", "replay_latency"),

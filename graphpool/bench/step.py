@@ -9,6 +9,8 @@ the output rule), given as a :class:`BenchStep`, and the steps it knows by name.
   each request's cached rows masked by ``seq_lens``, and returns logits and greedy tokens.
 * ``sglang``: the same model over the inputs graphpool's SGLang runners declare
   (``graphpool.integrations.sglang``; needs SGLang's Python classes).
+* ``transformers``: a small Llama (random weights) through graphpool's transformers integration (its slot
+  cache, declarations, step function and output rule; needs transformers).
 * Your own: a factory ``factory(device, max_tokens) -> BenchStep``, named ``module:factory``.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 import graphpool as gp
 
-STEP_CONTRACT = "expected a built-in step (default, sglang) or module:factory, factory(device, max_tokens) -> BenchStep"
+STEP_CONTRACT = ("expected a built-in step (default, sglang, transformers) or module:factory, factory(device, "
+                 "max_tokens) -> BenchStep")
 
 
 class StepSpecError(ValueError):
@@ -122,7 +125,43 @@ def make_sglang(device: torch.device, max_tokens: int) -> BenchStep:
     return make(device, max_tokens, inputs=common.step_inputs(seq_len_fill_value=1))
 
 
-BUILT_IN: dict[str, Callable[..., BenchStep]] = {"default": make, "sglang": make_sglang}
+def make_transformers(device: torch.device, max_tokens: int, max_len: int = 256) -> BenchStep:
+    """A small Llama (transformers, random weights; bf16 on CUDA) through graphpool's transformers integration:
+    its :class:`~graphpool.integrations.transformers.SlotCache` (one slot per token row the step may carry),
+    its input declarations, step function and output rule. Each sampled row sits at a random position of its
+    own slot."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from graphpool.integrations.transformers import SlotCache, step as hf_step
+    except ImportError as exc:
+        raise StepSpecError(f"--step transformers needs transformers ({exc}); pip install transformers, or use "
+                            f"--step default") from None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max_len)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device, dtype).eval().requires_grad_(False)
+    cache = SlotCache(model, max_tokens + 1, max_len)
+    forward = hf_step.SlotForward(model, cache)
+
+    def step_fn(batch: gp.StepBatch) -> Any:
+        with torch.no_grad():  # the model's weights and cache stay out of autograd
+            return forward(batch)
+
+    def sample(mode: gp.Mode, bs: int) -> dict[str, torch.Tensor]:
+        width = mode.tokens_per_seq
+        starts = torch.randint(0, max_len - width + 1, (bs, 1))
+        return {"input_ids": torch.randint(0, config.vocab_size, (bs * width,), device=device),
+                "positions": (starts + torch.arange(width)).view(-1).to(device),
+                "slots": torch.arange(1, bs + 1, device=device)}
+
+    return BenchStep(hf_step.step_inputs(cache, config.vocab_size), step_fn, sample, outputs=hf_step.STEP_OUTPUTS,
+                     check="next")
+
+
+BUILT_IN: dict[str, Callable[..., BenchStep]] = {"default": make, "sglang": make_sglang,
+                                                 "transformers": make_transformers}
 
 
 def load_factory(spec: str | None) -> Callable[..., BenchStep]:

@@ -19,7 +19,7 @@ edited, a document quoted by its summary), and random greedy models repeat their
     python bench/hf_decode.py                        # the H200 run (about 5 minutes; writes out/hf_decode.*)
     python bench/hf_decode.py --smoke                # a tiny model on CPU in seconds: the code path, no timing
 
-Writes ``<out>.json``, ``<out>.csv`` and ``<out>.png`` all or none (bench/outputs.py) and prints a short table
+Writes ``<out>.json``, ``<out>.csv`` and ``<out>.png`` all or none (graphpool.bench.outputs) and prints a short table
 last, with the issue's goals as PASS/FAIL lines (not judged on a smoke run).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 import graphpool as gp  # noqa: E402
 from bench.hf_report import Run, check_goals, table, write_outputs  # noqa: E402
-from bench.outputs import OutputError, OutputSet  # noqa: E402
+from graphpool.bench.outputs import OutputError, OutputSet  # noqa: E402
 
 log = logging.getLogger("hf_decode")
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.outputs import OutputSet
+from graphpool.bench.outputs import OutputSet
 
 VARIANTS = ("hf-eager", "hf-static", "hf-lookup", "gp-plain", "gp-lookup")
 LETTER = dict(zip(VARIANTS, "abcde"))

@@ -7,7 +7,7 @@ enqueued launches are not affected"), so the row can travel with the launch, as 
 
 This probe answers, on the GPU: (1) is a parameter update per launch correct while the host runs far ahead
 of the GPU (every launch stages its own row), (2) what it costs the host per step, (3) what the staging
-node then costs the GPU over the bare step (bench/default_step.py's step, as bench/replay_latency.py).
+node then costs the GPU over the bare step (graphpool.bench's default step, as bench/replay_latency.py).
 
     python bench/param_probe.py
 

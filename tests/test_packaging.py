@@ -6,6 +6,7 @@ The built wheel is then imported from a folder of its own, away from the checkou
 """
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import shutil
 import subprocess
@@ -108,3 +109,48 @@ def test_a_checkout_maps_its_own_folders_even_where_another_checkout_is_installe
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == ROOT / "kernels" / "__init__.py"
+
+
+def _relative_imports(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package folder it imports (``from . import x``, ``from .x import y``),
+    wherever in the file the import stands (a deferred import inside a function closes a cycle too)."""
+    modules = {path.stem for path in package.glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        edges[path.stem] = (found & modules) - {path.stem, "__init__"}
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``edges`` as a path (first module repeated at its end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    return next((c for start in sorted(edges) if start not in state and (c := visit(start, [start]))), None)
+
+
+def test_cycle_finder_finds_a_deferred_import_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import f\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .a import g\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    assert _cycle(_relative_imports(tmp_path)) == ["a", "b", "a"]
+
+
+@pytest.mark.parametrize("folder", ["graphpool", "kernels", *sorted(
+    p.relative_to(ROOT).as_posix() for p in (ROOT / "integrations").iterdir() if (p / "__init__.py").is_file())])
+def test_no_package_imports_itself_in_a_cycle(folder):
+    cycle = _cycle(_relative_imports(ROOT / folder))
+    assert cycle is None, f"{folder}: import cycle {' -> '.join(cycle)}; move what the lower module needs below it"

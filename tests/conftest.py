@@ -4,7 +4,14 @@ from __future__ import annotations
 import gc
 import os
 
-import torch
+# One intra-op thread unless the caller says otherwise (subprocesses and TP ranks inherit it): the tests'
+# tensors are tiny, and torch's OpenMP threads spin while they wait, so beside any other busy process on a
+# small machine a step that takes 0.5 s with one thread took 10-50 s with two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before any
 # kernel module is imported.

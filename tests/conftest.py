@@ -1,4 +1,4 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; devices to run the pool tests on."""
+"""Shared test setup: the `gpu` marker skips without CUDA, the `slow` marker without ``--runslow``."""
 from __future__ import annotations
 
 import gc
@@ -24,6 +24,8 @@ import pytest  # noqa: E402
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tp", type=int, default=2,
                      help="tensor-parallel ranks of the GPU tests in tests/test_engine_tp.py (one GPU each)")
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the long versions of checks marked `slow` (CI runs them: pytest --runslow -m slow)")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -38,7 +40,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     interpreter = pytest.mark.skip(reason="runs Triton kernels on CPU tensors, which needs Triton's interpreter "
                                           "(turned on above only where there is no CUDA GPU)")
+    slow = pytest.mark.skip(reason="the long version of a check that also runs short by default: --runslow runs it")
+    runslow = config.getoption("--runslow")
     for item in items:
+        if "slow" in item.keywords and not runslow:
+            item.add_marker(slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(gpu)
         if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":

@@ -148,7 +148,9 @@ def test_model_flag_reaches_every_projection_and_forward_matches_torch(monkeypat
 
 def rank_shards_a_fused_model(tp) -> tuple[list[str], float]:
     """On each rank: a fused bf16 tiny model and its draft, sharded; every projection's type and flag, and
-    the sharded one-token forward (GEMV + collectives) against the unsharded one (relative max difference)."""
+    the sharded one-token forward (GEMV + collectives) against the unsharded model's plain-torch forward
+    (relative max difference; the GEMV's own agreement with torch is tested above, and each interpreted
+    GEMV forward costs seconds)."""
     from bench.engine.attention import reference_attention
     from bench.engine.model import build_draft
 
@@ -157,7 +159,6 @@ def rank_shards_a_fused_model(tp) -> tuple[list[str], float]:
 
     cfg = ModelConfig.tiny()
     full = build_target(cfg, seed=11, dtype=torch.bfloat16, kernels="torch")
-    full.fused = True
     ids, pos = torch.tensor([42]), torch.tensor([0])
     want = full.logits(full(ids, pos, dense))
     model = build_target(cfg, seed=11, dtype=torch.bfloat16, kernels="torch")

@@ -117,15 +117,18 @@ def check_step(pool: gp.GraphPool, step: ToyStep, device: str, mode_name: str, b
         assert torch.all(tail == spec.fill), f"{mode_name} bs={bs}: padded rows of {spec.name} are {tail}"
 
 
-def test_every_batch_size_of_both_modes_then_random_steps(built):
+# Random steps after the sweep: with its 64 steps, 80 more take the 64-row staging ring around twice; the long
+# version (CI) runs 520.
+@pytest.mark.parametrize("random_steps", [80, pytest.param(520, marks=pytest.mark.slow)])
+def test_every_batch_size_of_both_modes_then_random_steps(built, random_steps):
     pool, step, device = built
     rng = random.Random(1234)
     steps = [(m, bs) for m in ("decode", "verify") for bs in range(1, SIZES[-1] + 1)]
-    steps += [(rng.choice(["decode", "verify"]), rng.randint(1, SIZES[-1])) for _ in range(520)]
+    steps += [(rng.choice(["decode", "verify"]), rng.randint(1, SIZES[-1])) for _ in range(random_steps)]
+    replays_before = pool.stats.replays
     for mode_name, bs in steps:
         check_step(pool, step, device, mode_name, bs, rng)
-    assert len(steps) >= 500
-    hits = pool.stats.replays
+    hits = pool.stats.replays - replays_before
     assert hits >= len(steps) and not pool.stats.misses
     assert all(s.replays > 0 for s in pool.stats.keys.values()), "every graph was used"
 

@@ -1,4 +1,5 @@
-"""Shared test setup: the `gpu` marker skips without CUDA, the `slow` marker without ``--runslow``."""
+"""Shared test setup: the `gpu` marker skips without CUDA, the `slow` marker without ``--runslow``; every test of a
+``test_sglang_*`` module is marked `optional`."""
 from __future__ import annotations
 
 import gc
@@ -43,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow = pytest.mark.skip(reason="the long version of a check that also runs short by default: --runslow runs it")
     runslow = config.getoption("--runslow")
     for item in items:
+        if item.path.name.startswith("test_sglang_"):
+            item.add_marker(pytest.mark.optional)  # SGLang's tests: they skip where SGLang is absent
         if "slow" in item.keywords and not runslow:
             item.add_marker(slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -15,7 +15,7 @@ if [ ! -f "$SITE/.done" ]; then
   tar -xJf "$S/sglk-slim.tar.xz" -C "$SITE" && tar -xJf "$S/flashinfer-slim.tar.xz" -C "$SITE" && cp -r "$S/stubs/." "$SITE/"
   touch "$SITE/.done"
 fi
-# graphpool laid out as setup.py maps it: kernels/ and integrations/ inside the graphpool package
+# graphpool laid out as pyproject.toml maps it: kernels/ and integrations/ inside the graphpool package
 rm -rf "$GP" && mkdir -p "$GP/graphpool" && cp -r graphpool/. "$GP/graphpool/" \
   && cp -r kernels "$GP/graphpool/kernels" && cp -r integrations "$GP/graphpool/integrations"
 if ! ldconfig -p | grep -q 'libnuma.so.1 '; then

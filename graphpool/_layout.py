@@ -1,10 +1,19 @@
-"""``graphpool.kernels`` and ``graphpool.integrations`` in an uninstalled source checkout.
+"""``graphpool.kernels`` and ``graphpool.integrations`` when graphpool runs from a source checkout.
 
-setup.py installs the top-level folders ``kernels/`` and ``integrations/`` as ``graphpool.kernels`` and
+pyproject.toml installs the top-level folders ``kernels/`` and ``integrations/`` as ``graphpool.kernels`` and
 ``graphpool.integrations`` (a top-level ``kernels`` package would clash with an unrelated PyPI package).
-When graphpool runs from a checkout without being installed (tests with ``pytest``, scripts), those two
-names are registered here from the folders beside this package, and nothing else: no other folder of the
-checkout becomes part of ``graphpool``, and each file is loaded as one module object.
+
+Why this stays although ``pip install -e .`` is the documented set-up: graphpool also runs from checkouts
+that no installer mapped. The tests import it from the checkout (pytest.ini's ``pythonpath = .``), the GPU
+machine runs a copied checkout without pip, and quickstart.sh links the bare ``graphpool/`` folder into the
+environment where pip refuses. There the two names exist only because they are registered here. And where an
+editable install of *another* checkout is active (a shared venv), registering this checkout's folders keeps
+the package and its subpackages from one tree instead of mixing two.
+
+Rule: when the imported ``graphpool`` package has no ``kernels``/``integrations`` folder of its own (a wheel
+has them inside) and its checkout has them beside it, those folders are ``graphpool.kernels`` and
+``graphpool.integrations``; nothing else of the checkout becomes part of ``graphpool``, and each file is loaded
+as one module object.
 """
 from __future__ import annotations
 
@@ -16,24 +25,20 @@ _SUBPACKAGES = ("kernels", "integrations")
 
 
 def map_checkout_packages() -> None:
-    """Register ``graphpool.<name>`` for each folder of :data:`_SUBPACKAGES` that no installer provides."""
+    """Register ``graphpool.<name>`` from the checkout beside this package, for each of :data:`_SUBPACKAGES`
+    that the package does not hold itself."""
+    package = sys.modules["graphpool"]
     checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # through a linked package folder
+    if not os.path.isfile(os.path.join(checkout, "pyproject.toml")):
+        return  # not graphpool's checkout: e.g. an installed copy beside an unrelated `kernels` package
     for name in _SUBPACKAGES:
         full = f"graphpool.{name}"
         init = os.path.join(checkout, name, "__init__.py")
-        if full in sys.modules or not os.path.isfile(init) or _installed(full):
+        inside = any(os.path.isdir(os.path.join(p, name)) for p in getattr(package, "__path__", []))
+        if full in sys.modules or inside or not os.path.isfile(init):
             continue
         spec = importlib.util.spec_from_file_location(full, init, submodule_search_locations=[os.path.dirname(init)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)
-        setattr(sys.modules["graphpool"], name, module)
-
-
-def _installed(full: str) -> bool:
-    """Whether an installed graphpool (e.g. ``pip install -e .``) already resolves ``full``."""
-    parent = sys.modules["graphpool"]
-    if any(os.path.isdir(os.path.join(p, full.rsplit(".", 1)[1])) for p in getattr(parent, "__path__", [])):
-        return True
-    return any(finder.find_spec(full, parent.__path__) is not None for finder in sys.meta_path
-               if hasattr(finder, "find_spec") and type(finder).__module__ != "_frozen_importlib_external")
+        setattr(package, name, module)

@@ -227,15 +227,22 @@ class CapturedGraph:
 @contextmanager
 def _frozen_gc() -> Iterator[None]:
     """Collect once, then keep the collector out of the capture: a collection during capture is slow and
-    can free tensors whose memory the graph being captured is about to use."""
+    can free tensors whose memory the graph being captured is about to use.
+
+    Objects the caller froze before (``gc.freeze()``, as servers do after start-up to make collections
+    cheap) stay frozen: ``gc.unfreeze()`` would release the caller's too, so the pool only freezes, and
+    unfreezes, when nothing was frozen."""
     gc.collect()
     was_enabled = gc.isenabled()
+    ours = gc.get_freeze_count() == 0
     gc.disable()
-    gc.freeze()
+    if ours:
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 

@@ -1,9 +1,18 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; devices to run the pool tests on."""
+"""Shared test setup: the `gpu` marker skips without CUDA, the `slow` marker without ``--runslow``; every test of a
+``test_sglang_*`` module is marked `optional`."""
 from __future__ import annotations
 
+import gc
 import os
 
-import torch
+# One intra-op thread unless the caller says otherwise (subprocesses and TP ranks inherit it): the tests'
+# tensors are tiny, and torch's OpenMP threads spin while they wait, so beside any other busy process on a
+# small machine a step that takes 0.5 s with one thread took 10-50 s with two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before any
 # kernel module is imported.
@@ -16,13 +25,29 @@ import pytest  # noqa: E402
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tp", type=int, default=2,
                      help="tensor-parallel ranks of the GPU tests in tests/test_engine_tp.py (one GPU each)")
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the long versions of checks marked `slow` (CI runs them: pytest --runslow -m slow)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze the heap that collection built (torch, Triton, SGLang's classes: ~570,000 objects), so that the
+    full collection before every capture (graphpool/capture.py) scans only what the tests made since: it
+    took ~0.5 s per capture, a large share of the suite's time."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     interpreter = pytest.mark.skip(reason="runs Triton kernels on CPU tensors, which needs Triton's interpreter "
                                           "(turned on above only where there is no CUDA GPU)")
+    slow = pytest.mark.skip(reason="the long version of a check that also runs short by default: --runslow runs it")
+    runslow = config.getoption("--runslow")
     for item in items:
+        if item.path.name.startswith("test_sglang_"):
+            item.add_marker(pytest.mark.optional)  # SGLang's tests: they skip where SGLang is absent
+        if "slow" in item.keywords and not runslow:
+            item.add_marker(slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(gpu)
         if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":

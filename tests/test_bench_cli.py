@@ -123,7 +123,7 @@ def test_gpu_summary_puts_the_gpu_floor_beside_graphpool_and_explains_every_colu
                                     f"{100.0 + sglang_i:.1f}", "1.00"]
     assert gpu_line.split()[7:] == [f"{b2b[0]:.1f}", f"{b2b[1]:.1f}", f"{b2b[1] - b2b[0]:.1f}"]
     lines = text.splitlines()
-    b2b_host = lines[[i for i, l in enumerate(lines) if l.startswith("host us per step (median, steps issued back")][0] + 2]
+    b2b_host = lines[[i for i, line in enumerate(lines) if line.startswith("host us per step (median, steps issued back")][0] + 2]
     run_i = GRAPH_METHODS.index("graphpool-run")
     want = [4.0 + floor_i, 4.0 + run_i, 4.0 + sglang_i]
     assert b2b_host.split() == ["decode", "1", *(f"{v:.1f}" for v in want), f"{want[1] - want[0]:.1f}",

@@ -469,8 +469,12 @@ def _with_inputs(st, s, kind, layouts):
     return attn(0, st["q"], st["k"], st["v"])
 
 
+# (requests, new tokens per request, captured sizes): two requests already give batched FlashInfer metadata,
+# both switch directions and a draft catch-up; the long version (CI) serves three at up to bs 4.
 @pytest.mark.skipif(not HAVE_TRITON or torch.cuda.is_available(), reason="CPU emulation of the GPU path")
-def test_gpu_code_path_emulated_on_cpu_matches_plain_torch():
+@pytest.mark.parametrize("requests, new_tokens, sizes", [
+    pytest.param(2, (8, 10), [1, 2], id="short"), pytest.param(3, (10, 14), [1, 2, 4], id="long", marks=pytest.mark.slow)])
+def test_gpu_code_path_emulated_on_cpu_matches_plain_torch(requests, new_tokens, sizes):
     """Every Triton kernel the GPU path launches (fused norms, rotary, SwiGLU, KV store, FlashInfer metadata
     and mask bits), run in Triton's interpreter inside the engine's real steps, with the reference kernel
     standing in for FlashInfer's: speculation and dynamic speculation commit exactly what plain decoding
@@ -489,10 +493,10 @@ def test_gpu_code_path_emulated_on_cpu_matches_plain_torch():
             return "verify" if (self.calls // 2) % 2 else "decode"
 
     cfg, spec = ModelConfig.tiny(), SpecConfig(topk=2, steps=3, num_draft_tokens=6, draft_noise=0.1)
-    reqs = make_requests(3, 12, cfg.vocab_size, 10, 14, seed=3)
-    ref_engine, ref_pool = build(cfg, spec, [1, 2, 4], 12, 16, attention="torch", kernels="torch")
+    reqs = make_requests(requests, 12, cfg.vocab_size, *new_tokens, seed=3)
+    ref_engine, ref_pool = build(cfg, spec, sizes, 12, 16, attention="torch", kernels="torch")
     want = DecodeLoop(ref_engine, ref_pool, "plain").run(reqs, 3).outputs
-    engine, pool = build(cfg, spec, [1, 2, 4], 12, 16, attention="flashinfer-reference", kernels="torch")
+    engine, pool = build(cfg, spec, sizes, 12, 16, attention="flashinfer-reference", kernels="torch")
     engine.layouts.triton = True
     engine.target.fused = engine.draft.fused = True  # the Triton kernels, interpreted (kernels="fused" needs CUDA)
     got = {v: DecodeLoop(engine, pool, v, Flip() if v == "dynamic" else None).run(reqs, 3)
@@ -505,3 +509,4 @@ def test_gpu_code_path_emulated_on_cpu_matches_plain_torch():
     assert got["spec"].outputs == want and got["dynamic"].outputs == want
     assert got["spec, masked tree"].outputs == want
     assert got["spec"].mean_accept > 1.5 and got["dynamic"].steps["verify"] and got["dynamic"].steps["decode"]
+    assert got["dynamic"].catch_ups, "no plain step was followed by a verify step (the draft's catch-up)"

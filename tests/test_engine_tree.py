@@ -29,7 +29,8 @@ def random_candidates(seed: int):
 def test_select_tree_keeps_best_ancestor_closed_nodes_and_their_mask():
     for seed in range(20):
         toks, scores, parents, depth = random_candidates(seed)
-        t = lambda x: torch.tensor([x])
+        def t(x):
+            return torch.tensor([x])
         tree = select_tree(torch.tensor([99]), t(toks), t(scores).float(), t(parents), torch.tensor(depth), N, STEPS)
         best = sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:N - 1])
         assert tree.tokens[0].tolist() == [99] + [toks[i] for i in best]
@@ -60,7 +61,8 @@ def test_greedy_accept_matches_walk():
     rnd = random.Random(0)
     for seed in range(40):
         toks, scores, parents, depth = random_candidates(seed)
-        t = lambda x: torch.tensor([x])
+        def t(x):
+            return torch.tensor([x])
         tree = select_tree(torch.tensor([7]), t(toks), t(scores).float(), t(parents), torch.tensor(depth), N, STEPS)
         tk, par = tree.tokens[0].tolist(), tree.parents[0].tolist()
         # Target choices: often follow a child (so paths get accepted), sometimes not.

@@ -425,6 +425,35 @@ def test_package_layout_has_one_module_object_per_file():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+def test_capture_leaves_what_the_caller_froze_frozen():
+    """A server that froze its start-up heap (gc.freeze) keeps it frozen through a capture: the pool's
+    gc.unfreeze() after capture released it, and every later collection scanned it all again."""
+    frozen_before = gc.get_freeze_count()
+    keep = [[] for _ in range(100)]  # objects of the caller's, frozen below
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen >= len(keep)
+        pool_for("cpu")
+        assert gc.get_freeze_count() == frozen, "the capture unfroze the caller's frozen objects"
+        assert gc.isenabled()
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
+
+
+def test_capture_freezes_nothing_it_does_not_unfreeze():
+    suite_froze = gc.get_freeze_count()  # tests/conftest.py freezes the heap after collection
+    gc.unfreeze()
+    try:
+        pool_for("cpu")
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    finally:
+        if suite_froze:
+            gc.collect()
+            gc.freeze()
+
+
 def test_cpu_pools_never_build_the_cpp_checker(monkeypatch):
     import graphpool.native as native
 

@@ -125,6 +125,7 @@ def test_the_container_type_is_kept_on_every_path(device, copy):
         torch.testing.assert_close(got.pooled, eager_reference(toy, MODES[0], inputs)["pooled"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.optional  # transformers comes with the sglang-classes extra
 def test_transformers_model_output_keeps_its_attributes():
     outputs = pytest.importorskip("transformers.modeling_outputs")
     pool = gp.GraphPool(MODES, make_inputs(), SIZES, device="cpu")

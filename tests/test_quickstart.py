@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 import venv
 from pathlib import Path

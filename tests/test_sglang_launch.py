@@ -94,7 +94,6 @@ def report_patch(queue) -> None:
     queue.put((child_model_runner.CudaGraphRunner.__name__, switch and switch.policy.off_above))
 
 
-@pytest.mark.slow
 @needs_switch
 def test_scheduler_entry_installs_graphpool_inside_a_spawned_process():
     entry = SchedulerEntry(GraphpoolOptions(16, 8), target=f"{__name__}:report_patch")

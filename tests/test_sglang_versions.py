@@ -1,15 +1,17 @@
 """Which SGLang runner API graphpool detects, on fake SGLang layouts (no SGLang needed).
 
-Each layout is a package tree of empty modules in a folder put first on ``sys.path`` of a fresh
-interpreter, with a ``.dist-info`` giving its version, as pip installs one.
+Each layout is a package tree of empty modules in a folder put first on ``sys.path`` of an interpreter that
+has imported neither SGLang nor graphpool's integration yet, with a ``.dist-info`` giving its version, as pip
+installs one. The module's tests share one such interpreter (tests/shared_interpreter.py), which forgets
+both between tests.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.shared_interpreter import SharedInterpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,39 +35,45 @@ def _fake_sglang(root: Path, version: str, modules: list[str], srt_init: str = "
         path.write_text("")
 
 
-def _runner_api(root: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def interpreter():
+    shared = SharedInterpreter(fresh=["sglang", "graphpool.integrations"],
+                               env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    yield shared
+    shared.close()
+
+
+def _runner_api(interpreter: SharedInterpreter, root: Path):
     code = "from graphpool.integrations.sglang import versions; print('API', versions.runner_api())"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": f"{root}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    return interpreter.run(code, path=[root])
 
 
 @pytest.mark.parametrize("version, modules, api", [("0.5.9", CLASSIC, "classic"), ("0.5.12.post1", CLASSIC, "classic"),
                                                    ("0.5.14", RUNNER, "runner"), ("0.5.23", RUNNER + CLASSIC, "runner")])
-def test_each_generation_is_told_by_its_modules(tmp_path, version, modules, api):
+def test_each_generation_is_told_by_its_modules(interpreter, tmp_path, version, modules, api):
     _fake_sglang(tmp_path, version, modules)
-    done = _runner_api(tmp_path)
+    done = _runner_api(interpreter, tmp_path)
     assert done.stdout.strip() == f"API {api}", done.stderr
 
 
-def test_an_sglang_between_the_apis_is_classic_without_eagle_v1(tmp_path):
+def test_an_sglang_between_the_apis_is_classic_without_eagle_v1(interpreter, tmp_path):
     """0.5.13.x keeps the classic CudaGraphRunner (graphpool's classic runner serves it, driving the new
     attention hooks) but has no EAGLE v1 worker, which the classic speculation switch needs."""
     _fake_sglang(tmp_path, "0.5.13.post1", BETWEEN)
     code = ("from graphpool.integrations.sglang import versions; "
             "print('API', versions.runner_api(), 'EAGLE v1', versions.has_eagle_v1())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    done = interpreter.run(code, path=[tmp_path])
     assert done.stdout.strip() == "API classic EAGLE v1 False", done.stderr
 
 
-def test_a_missing_dependency_is_named_not_taken_for_a_missing_api(tmp_path):
+def test_a_missing_dependency_is_named_not_taken_for_a_missing_api(interpreter, tmp_path):
     _fake_sglang(tmp_path, "0.5.18", RUNNER, srt_init="import xgrammar_not_installed\n")
-    done = _runner_api(tmp_path)
+    done = _runner_api(interpreter, tmp_path)
     assert "SGLang 0.5.18 is installed but does not import (No module named 'xgrammar_not_installed')" in done.stderr, \
         done.stderr
 
 
-def test_an_sglang_with_neither_api_says_which_are_supported(tmp_path):
+def test_an_sglang_with_neither_api_says_which_are_supported(interpreter, tmp_path):
     _fake_sglang(tmp_path, "0.4.0", ["srt/managers/scheduler.py"])
-    done = _runner_api(tmp_path)
+    done = _runner_api(interpreter, tmp_path)
     assert "SGLang 0.4.0 has neither the classic CudaGraphRunner nor the runner package" in done.stderr, done.stderr

@@ -6,6 +6,9 @@ runners keep SGLang's classes (they call ``CudaGraphRunner.capture`` from their 
 the global graph memory pool with ours. SGLang's adaptive speculation builds extra target runners by the
 same name in the EAGLE worker modules, so those are swapped too when they import.
 
+:func:`plain_step_refusal` tells the speculation switch whether the runner that install() left in place
+can take a plain decode step.
+
 The patch is per process. SGLang starts its schedulers with ``spawn``: use the launcher
 (``python -m graphpool.integrations.sglang.launch``), which installs it inside every scheduler process.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from . import versions
 from .support import unsupported_reasons
@@ -88,3 +91,20 @@ def installed() -> bool:
     from . import patch_runner_api  # runner API (issue 13)
 
     return bool(_originals) or patch_runner_api.installed()
+
+
+def plain_step_refusal(runner: Any, ours: type) -> Optional[str]:
+    """Why the speculation switch must not run a plain step on the target's decode graph runner ``runner``
+    (``None``: it may), ``ours`` being graphpool's runner class of this SGLang API.
+
+    A plain DECODE step needs graphpool's runner. Where install() handed the server to SGLang's own (a setup
+    graphpool's runner does not serve; install() logged which), that runner holds TARGET_VERIFY graphs only
+    and would replay one for the plain step: the shape crash. No runner (``--disable-cuda-graph``) runs
+    plain steps eagerly; SGLang's runner without install() in effect is ``--graphpool-keep-sglang-runner``,
+    which exists to reproduce that crash, so it is let through.
+    """
+    if runner is None or isinstance(runner, ours) or not installed():
+        return None
+    return (f"the target model's graph runner is SGLang's own {type(runner).__name__} (graphpool's runner does not "
+            f"serve this server: see install()'s warning), which holds verify graphs only and would crash on a "
+            f"plain decode step; speculation stays on at every batch size")

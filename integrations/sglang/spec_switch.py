@@ -35,7 +35,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from .draft_lag import DEFAULT_MAX_LAG_STEPS, DraftLag
 from .eagle_v1_catch_up import eagle_v1_catch_up
 from .eagle_v1_plain import eagle_v1_plain_decode, process_plain_step_result
-from .support import plain_step_refusal
+from .patch import plain_step_refusal
 
 log = logging.getLogger(__name__)
 

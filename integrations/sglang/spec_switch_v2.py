@@ -32,7 +32,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 
 from .draft_lag import DraftLag
 from .spec_switch import SpeculationSwitch
-from .support import plain_step_refusal
+from .patch import plain_step_refusal
 
 log = logging.getLogger(__name__)
 

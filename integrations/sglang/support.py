@@ -9,7 +9,7 @@ servers to SGLang's own runner instead of replaying a graph that would read stal
 from __future__ import annotations
 
 import inspect
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 # (server_args attribute, what it is): any of these switched on needs inputs the runner does not stage.
 _UNSUPPORTED_FLAGS = (
@@ -86,25 +86,6 @@ def unsupported_reasons(model_runner: Any) -> List[str]:
     if not spec.is_none() and not (spec.is_eagle() or spec.is_standalone()):  # is_speculative() is 0.5.11+
         reasons.append(f"speculative algorithm {spec.name}")
     return reasons
-
-
-def plain_step_refusal(runner: Any, ours: type) -> Optional[str]:
-    """Why the speculation switch must not run a plain step on the target's decode graph runner ``runner``
-    (``None``: it may), ``ours`` being graphpool's runner class of this SGLang API.
-
-    A plain DECODE step needs graphpool's runner. Where install() handed the server to SGLang's own (a setup
-    graphpool's runner does not serve; install() logged which), that runner holds TARGET_VERIFY graphs only
-    and would replay one for the plain step: the shape crash. No runner (``--disable-cuda-graph``) runs
-    plain steps eagerly; SGLang's runner without install() in effect is ``--graphpool-keep-sglang-runner``,
-    which exists to reproduce that crash, so it is let through.
-    """
-    from .patch import installed
-
-    if runner is None or isinstance(runner, ours) or not installed():
-        return None
-    return (f"the target model's graph runner is SGLang's own {type(runner).__name__} (graphpool's runner does not "
-            f"serve this server: see install()'s warning), which holds verify graphs only and would crash on a "
-            f"plain decode step; speculation stays on at every batch size")
 
 
 def capture_batch_sizes(model_runner: Any) -> List[int]:

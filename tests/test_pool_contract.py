@@ -417,7 +417,10 @@ def test_a_faulting_step_is_reported_as_a_device_fault(debug):
 def test_package_layout_has_one_module_object_per_file():
     code = ("import sys, graphpool, graphpool.kernels.stage as s\n"
             "import importlib.util\n"
-            "assert importlib.util.find_spec('graphpool.bench') is None\n"
+            "import os\n"
+            "spec = importlib.util.find_spec('graphpool.bench')  # the package's own, not the checkout's bench/\n"
+            "assert spec.origin.endswith(os.path.join('graphpool', 'bench', '__init__.py')), spec.origin\n"
+            "assert importlib.util.find_spec('graphpool.engine') is None  # bench/engine stays outside\n"
             "assert not [m for m in sys.modules if m == 'kernels' or m.startswith('kernels.')], sys.modules.keys()\n"
             "import graphpool.integrations\n"
             "print('ok')\n")

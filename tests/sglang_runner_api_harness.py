@@ -36,7 +36,9 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
     config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
                              prefill=PhaseConfig(backend="disabled"))
     context = runtime_context.get_context()
-    if hasattr(context, "set_server_args"):  # 0.5.2x: settings live in the runtime context's config bags
+    if hasattr(context, "set_server_args"):  # 0.5.17+: settings live in the runtime context's config bags
+        if hasattr(args, "override"):  # 0.5.17: its runners still read the batch sizes off the record itself
+            args.override("graphpool-test", cuda_graph_config=config)
         context.set_server_args(args)
         context.override("graphpool-test", cuda_graph_config=config)
     else:  # 0.5.14: settings live on the (global) ServerArgs
@@ -44,16 +46,28 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
 
         args.cuda_graph_config = config
         set_global_server_args_for_scheduler(args)
-        if "override" not in _SINGLE_PROCESS:  # its parallel context asks torch.distributed's groups
-            override = runtime_context.get_parallel().override(
-                world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
-                attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
-            override.__enter__()
-            _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
+    _single_process_parallel_context()
     return args
 
 
-_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14's parallel context, held at one process for the test session
+def _single_process_parallel_context() -> None:
+    """0.5.14 and 0.5.17's parallel context asks torch.distributed's groups, which a single-process test has
+    not created (0.5.23 answers from the published ServerArgs): hold it at one process for the session."""
+    if "override" in _SINGLE_PROCESS:
+        return
+    try:
+        runtime_context.get_parallel().attn_cp_size
+        return
+    except (AssertionError, AttributeError, RuntimeError):
+        pass
+    override = runtime_context.get_parallel().override(
+        world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
+        attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
+    override.__enter__()
+    _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
+
+
+_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14 / 0.5.17's parallel context, held at one process for the session
 
 
 class EagerSteps:

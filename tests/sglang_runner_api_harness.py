@@ -9,8 +9,9 @@ model, with no graph), and the single-process stand-ins for the TP group and pip
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -21,9 +22,10 @@ H.require_api("runner")
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 
 def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_backend: str = "full",
@@ -115,3 +117,86 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
     @graph_runner.setter
     def graph_runner(self, runner: Any) -> None:
         self.decode_cuda_graph_runner = runner
+
+
+# ----------------------------------------------------------------------------------- a prefilled spec-v2 server
+def world(*, graphs: bool = True, algorithm: Optional[str] = None, forward: Any = None,
+          device: torch.device = torch.device("cpu")) -> Tuple[RunnerApiModelRunner, H.Requests, H.SlotAllocator]:
+    """A prefilled harness server (EAGLE, batch sizes 1, 2, 4); ``forward`` wraps the model's forward."""
+    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4))
+    mr = RunnerApiModelRunner(cfg, device, speculative=True)
+    if algorithm is not None:
+        mr.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
+    if forward is not None:
+        mr.model.forward = forward(mr.model.forward)
+    if graphs:
+        from graphpool.integrations.sglang.runner_api import MultiModeDecodeRunner
+
+        mr.decode_cuda_graph_runner = MultiModeDecodeRunner(mr)
+    reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=11)
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    H.prefill(mr, reqs, alloc)
+    return mr, reqs, alloc
+
+
+def plain_step_inputs(mr: Any, reqs: H.Requests, alloc: H.SlotAllocator,
+                      rows: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a spec-v2 plain step starts from: rows, KV lengths (slot reserved at seq_len), bonus tokens."""
+    dev = mr.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    lens = torch.tensor([reqs.kv_len(r) for r in rows], dtype=torch.int64, device=dev)
+    mr.req_to_token_pool.req_to_token[idx, lens] = alloc.alloc(len(rows), dev).to(torch.int32)
+    bonus = torch.tensor([reqs.tokens[r][-1] for r in rows], dtype=torch.int32, device=dev)
+    return idx, lens, bonus
+
+
+def real_sampling(mr: Any, bs: int, temperatures: Optional[torch.Tensor] = None) -> Any:
+    """SGLang's real ModelRunner.sample and Sampler on the harness runner; greedy sampling on the CPU. Returns
+    this SGLang's ``SamplingBatchInfo`` for ``bs`` requests (``temperatures`` ``[bs, 1]``, else ones)."""
+    from sglang.srt.layers.sampler import Sampler
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    mr.sample = ModelRunner.sample.__get__(mr)
+    mr._preprocess_logits = ModelRunner._preprocess_logits.__get__(mr)
+    group = SimpleNamespace(device_group=None)
+    try:
+        with runtime_context.get_parallel().override(tp_group=group, attn_tp_group=group):
+            mr.sampler = Sampler()
+    except (ValueError, TypeError, AssertionError, RuntimeError):  # 0.5.14: its Sampler asks get_tp_group()
+        from unittest import mock
+
+        import sglang.srt.layers.sampler as sampler_module
+        with mock.patch.object(sampler_module, "get_tp_group", lambda: group, create=True):
+            mr.sampler = Sampler()
+    mr.sampling_observer = mr.watermark_state = None
+    mr.ngram_embedding_manager = SimpleNamespace(update_after_decode=lambda **kw: None, enabled=False)
+    mr.maybe_update_ngram_token_table = lambda *a, **kw: None
+    fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
+    dev = mr.device
+    kwargs = dict(temperatures=torch.ones(bs, 1, device=dev) if temperatures is None else temperatures,
+                  top_ps=torch.ones(bs, device=dev), top_ks=torch.ones(bs, dtype=torch.int32, device=dev),
+                  min_ps=torch.zeros(bs, device=dev), is_all_greedy=True, is_any_greedy=True,
+                  need_top_p_sampling=False, need_top_k_sampling=False, need_min_p_sampling=False,
+                  vocab_size=mr.cfg.vocab, device=str(dev))
+    return SamplingBatchInfo(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def spec_v2_batch(mr: Any, idx: torch.Tensor, lens: torch.Tensor, bonus: torch.Tensor,
+                  draft_hidden: Optional[torch.Tensor] = None, reqs: Optional[H.Requests] = None, **fields: Any) -> Any:
+    """What SGLang's spec-v2 worker gets for a decode step: the ScheduleBatch fields a plain step and the
+    catch-up read (requests with their host ``req_pool_idx`` and tokens; host lengths as without overlap)."""
+    rows = idx.tolist()
+    requests = [SimpleNamespace(req_pool_idx=r, rid=f"r{r}", grammar=None,
+                                origin_input_ids=list(reqs.tokens[r]) if reqs else [], output_ids=[]) for r in rows]
+    batch = SimpleNamespace(spec_info=SimpleNamespace(bonus_tokens=bonus, hidden_states=draft_hidden), seq_lens=lens,
+                            seq_lens_cpu=lens.cpu().clone(), req_pool_indices=idx, reqs=requests,
+                            sampling_info=real_sampling(mr, len(rows)), return_logprob=False, has_grammar=False,
+                            req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE)
+    for name, value in fields.items():
+        setattr(batch, name, value)
+    return batch
+
+
+def spec_v2_worker(mr: Any, **fields: Any) -> SimpleNamespace:
+    """The ``EAGLEWorkerV2`` attributes a plain step and the catch-up read, over the target ``mr``."""
+    return SimpleNamespace(target_worker=SimpleNamespace(model_runner=mr), topk=1, **fields)

@@ -137,7 +137,7 @@ def test_spec_v2_switch_keeps_speculating_over_sglangs_runner(monkeypatch, caplo
 
     steps = []
     monkeypatch.setattr(EAGLEWorkerV2, "forward_batch_generation", lambda worker, batch, *a, **k: steps.append("spec"))
-    monkeypatch.setattr(spec_switch_v2, "eagle_v2_plain_decode", lambda worker, batch, lag, _: steps.append("plain"))
+    monkeypatch.setattr(spec_switch_v2, "eagle_v2_plain_decode", lambda worker, batch, lag, *_: steps.append("plain"))
     monkeypatch.setattr(spec_switch_v2, "eagle_v2_catch_up", lambda worker, batch, lag: None)
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, is_extend_in_batch=False, spec_info=object(),
                             seq_lens=torch.zeros(8, dtype=torch.int64))

@@ -34,8 +34,8 @@ from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
 from . import attn_hooks, common
-from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_reasons, server_hidden_mode,
-                                 spec_settings)
+from .runner_api_support import (decode_batch_sizes, disable_padding, publish_read_done, read_done_point,
+                                 refusal_reasons, server_hidden_mode, spec_settings)
 
 
 # Per-token tensor fields of the model's output a replay returns sliced; every other field of the captured
@@ -106,7 +106,11 @@ class MultiModeDecodeRunner:
         self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
                                       * self.captured_req_width, dtype=torch.bool, device=self.device)
         self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
+        self.logits_buffer = shared_logits_buffer(model_runner, self.max_num_token)
+        if self.logits_buffer is None:
+            self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
+        #: SGLang's graph backend slot: elastic EP's recapture calls ``backend.cleanup()`` before rebuilding.
+        self.backend = _PoolBackend(self)
 
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
@@ -238,7 +242,12 @@ class MultiModeDecodeRunner:
         the real tokens."""
         self.load_batch(forward_batch, pp_proxy_tensors)
         step = self._step
+        read_done = read_done_point(self.attn_backend, forward_batch.forward_mode)
+        if read_done == "pre":
+            publish_read_done(self.model_runner)
         out = self.pool.replay(step)
+        if read_done == "post":
+            publish_read_done(self.model_runner)
         return dataclasses.replace(self._captured_outputs[(forward_batch.forward_mode, step.batch.bs)], **out)
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
@@ -251,3 +260,32 @@ class MultiModeDecodeRunner:
         """The verify input the primary mode's graphs are captured with (SGLang's method name)."""
         return self._capture_spec_info(num_tokens) if self.speculative else None
 
+
+
+def shared_logits_buffer(model_runner: Any, rows: int) -> Optional[torch.Tensor]:
+    """SGLang's process-wide graph logits buffer (``model_runner.graph_shared_output``, 0.5.17+), ``rows``
+    long, which every one of SGLang's graph runners of a vocabulary writes into (its adaptive speculation's
+    runners too); ``None`` where this SGLang has none or it is shorter than ``rows``."""
+    shared = getattr(model_runner, "graph_shared_output", None)
+    vocab = getattr(getattr(model_runner, "model_config", None), "vocab_size", None)
+    if shared is None or not vocab or rows > getattr(shared, "max_rows", 0):
+        return None
+    return shared.get_logits_buffer(vocab, rows=rows)
+
+
+class _PoolBackend:
+    """What SGLang asks of a decode runner's ``backend`` outside the runner: ``cleanup()`` (elastic EP drops
+    the graphs before it recaptures)."""
+
+    def __init__(self, runner: MultiModeDecodeRunner):
+        self._runner = runner
+
+    def cleanup(self) -> None:
+        """Release every graph and the pool's buffers; the runner serves no more steps (SGLang builds a new one)."""
+        runner = self._runner
+        runner.pool.close()
+        runner.graphs.clear()
+        runner.output_buffers.clear()
+        runner._captured_outputs.clear()
+        runner._capture_batches.clear()
+        runner._step = None

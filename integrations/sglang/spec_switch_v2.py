@@ -128,11 +128,14 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
     fb = plain_decode_batch(target, req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                             seq_lens_cpu=batch.seq_lens_cpu, bonus_tokens=draft_input.bonus_tokens)
     fb.sampling_info = batch.sampling_info
+    grammar = bool(getattr(batch, "has_grammar", False))
+    if fb.sampling_info is not None:  # the sampler masks by these; SGLang's ForwardBatch.init_new sets them so
+        fb.sampling_info.grammars = [req.grammar for req in batch.reqs] if grammar else None
     for name in _LOGPROB_FIELDS:  # what the scheduler reads back for requests that asked for logprobs
         setattr(fb, name, getattr(batch, name, getattr(fb, name)))
     out = target.forward(fb)
     hand_over_read_done(worker, target)
-    if grammar_barrier is not None and getattr(batch, "has_grammar", False):
+    if grammar_barrier is not None and grammar:
         grammar_barrier()  # host work, after the forward's launch: it overlaps the GPU, as in SGLang's verify
     next_ids = target.sample(out.logits_output, fb)
     new_seq_lens = batch.seq_lens + 1

@@ -62,9 +62,11 @@ def _single_process_parallel_context() -> None:
         return
     except (AssertionError, AttributeError, RuntimeError):
         pass
-    override = runtime_context.get_parallel().override(
-        world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
-        attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
+    one = dict(world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1, attn_tp_rank=0,
+               attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, moe_ep_size=1, moe_ep_rank=0,
+               moe_tp_size=1, moe_tp_rank=0, moe_dp_size=1, moe_dp_rank=0)
+    known = getattr(runtime_context, "_PARALLEL_FIELDS", one)  # the fields this SGLang's context overrides
+    override = runtime_context.get_parallel().override(**{k: v for k, v in one.items() if k in known})
     override.__enter__()
     _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
 
@@ -183,16 +185,29 @@ def real_sampling(mr: Any, bs: int, temperatures: Optional[torch.Tensor] = None)
 
 def spec_v2_batch(mr: Any, idx: torch.Tensor, lens: torch.Tensor, bonus: torch.Tensor,
                   draft_hidden: Optional[torch.Tensor] = None, reqs: Optional[H.Requests] = None, **fields: Any) -> Any:
-    """What SGLang's spec-v2 worker gets for a decode step: the ScheduleBatch fields a plain step and the
-    catch-up read (requests with their host ``req_pool_idx`` and tokens; host lengths as without overlap)."""
+    """SGLang's real ``ScheduleBatch`` of a spec-v2 decode step as the worker gets it: requests with their host
+    ``req_pool_idx`` and tokens, device and host lengths (host ones as without overlap), an ``EagleDraftInput``
+    carrying the bonus tokens (and the draft's hidden width), SGLang's ``SamplingBatchInfo``; ``fields`` set
+    more of its fields."""
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
     rows = idx.tolist()
-    requests = [SimpleNamespace(req_pool_idx=r, rid=f"r{r}", grammar=None,
-                                origin_input_ids=list(reqs.tokens[r]) if reqs else [], output_ids=[]) for r in rows]
-    batch = SimpleNamespace(spec_info=SimpleNamespace(bonus_tokens=bonus, hidden_states=draft_hidden), seq_lens=lens,
-                            seq_lens_cpu=lens.cpu().clone(), req_pool_indices=idx, reqs=requests,
-                            sampling_info=real_sampling(mr, len(rows)), return_logprob=False, has_grammar=False,
-                            req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE)
-    for name, value in fields.items():
+    requests = []
+    for r in rows:  # SGLang's Req; the tokens known so far as its prompt
+        req = Req(f"r{r}", "", list(reqs.tokens[r]) if reqs else [0], SamplingParams(max_new_tokens=256))
+        req.req_pool_idx = r
+        requests.append(req)
+    dev, n = idx.device, len(rows)
+    spec = EagleDraftInput(bonus_tokens=bonus, topk_p=torch.zeros((n, 1), device=dev),
+                           topk_index=torch.zeros((n, 1), dtype=torch.int64, device=dev), hidden_states=draft_hidden)
+    batch = ScheduleBatch(reqs=requests)
+    values = dict(spec_info=spec, seq_lens=lens, seq_lens_cpu=lens.cpu().clone(), seq_lens_sum=int(lens.sum()),
+                  req_pool_indices=idx, sampling_info=real_sampling(mr, n), return_logprob=False, has_grammar=False,
+                  req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE,
+                  spec_algorithm=mr.spec_algorithm, device=str(dev))
+    for name, value in {**values, **fields}.items():
         setattr(batch, name, value)
     return batch
 
@@ -200,3 +215,19 @@ def spec_v2_batch(mr: Any, idx: torch.Tensor, lens: torch.Tensor, bonus: torch.T
 def spec_v2_worker(mr: Any, **fields: Any) -> SimpleNamespace:
     """The ``EAGLEWorkerV2`` attributes a plain step and the catch-up read, over the target ``mr``."""
     return SimpleNamespace(target_worker=SimpleNamespace(model_runner=mr), topk=1, **fields)
+
+
+def server_args_from_cli(*argv: str) -> Optional[ServerArgs]:
+    """``ServerArgs`` as SGLang's own CLI parser builds them, or None where this SGLang has no such flag."""
+    import argparse
+    import contextlib
+    import io
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = parser.parse_args(list(argv))
+    except SystemExit:
+        return None
+    return ServerArgs.from_cli_args(parsed)

@@ -225,7 +225,8 @@ def catch_up_view(batch: Any, idx: List[int], starts: List[int], ends: List[int]
     view.sampling_info = _sampling_rows(batch.sampling_info, idx, len(batch.reqs))
     for name, value in (("req_pool_indices_cpu", torch.tensor(rows, dtype=torch.int64)),  # 0.5.23
                         ("max_seq_len_host", max(ends)), ("chunked_req", None), ("chunked_req_next_prompt_token", None),
-                        ("input_embeds", None), ("extend_input_logprob_token_ids", None)):
+                        ("input_embeds", None), ("extend_input_logprob_token_ids", None),
+                        ("decoding_reqs", view.reqs)):  # decoding requests, no prefill chunk among them
         if hasattr(batch, name):
             setattr(view, name, value)
     mm = getattr(batch, "multimodal_inputs", None)

@@ -196,3 +196,19 @@ def test_a_standalone_plain_step_runs_on_a_decode_graph_and_keeps_no_hidden_stat
     lag = DraftLag(keep_hidden=None)  # as install_speculation_switch builds it
     res = v2.eagle_v2_plain_decode(_worker(mr), _spec_v2_batch(mr, idx, lens, bonus), lag)
     assert res.can_run_cuda_graph and lag.keep_hidden is False
+
+
+def test_replays_by_mode_and_eager_fallbacks_are_counted_for_the_server_log():
+    """A live run reads "every step on a graph, no eager fallback" from the server log: the runner counts its
+    replays by mode and each step it sends back to SGLang's eager path, once per step, by reason."""
+    from bench.live import logs
+
+    mr, reqs, alloc = _world()
+    runner = mr.decode_cuda_graph_runner
+    for rows in ([0, 1], [0, 1, 2]):
+        assert mr.forward(H.decode_batch(mr, reqs, rows, alloc)).can_run_graph
+    big = H.decode_batch(mr, reqs, [0, 1, 2, 3, 4], alloc)  # bs 5 > the largest captured, 4
+    assert runner.can_run_graph(big) is False
+    assert not mr.forward(big).can_run_graph  # _forward_raw asks again for the same batch: counted once
+    facts = logs.parse(runner.replay_log.line())
+    assert facts.replays == {"DECODE": 2} and facts.gp_fallbacks == "DECODE bs 5 > 4: 1"

@@ -39,7 +39,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 
 from .draft_lag import DraftLag
 from .runner_api_support import hand_over_read_done, rejection_sampling
-from .spec_switch import SpeculationSwitch
+from .spec_switch import SpeculationSwitch, _log_flip
 from .support import plain_step_refusal
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,8 @@ def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
     kept = [chunk.hidden for chunk in chunks]
     hidden = torch.cat(kept) if kept[0] is not None else None  # None: a STANDALONE draft reads tokens only
     view = catch_up_view(batch, idx, [c.start for c in chunks], [c.end for c in chunks])
+    log.info("graphpool draft catch-up: %d requests, %d tokens in one draft extend", len(idx),
+             sum(c.end - c.start for c in chunks))
     rows_device = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
     draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[rows_device])
     for name in _DRAFT_FIELDS:
@@ -307,8 +309,13 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
         pp_proxy_tensors = argument("pp_proxy_tensors", args, kwargs)
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode and pp_proxy_tensors is None and batch.spec_info is not None and not plain_steps_refused(self):
-            self.activate_step_by_batch(batch.seq_lens.shape[0])  # SGLang's adaptive step count, if on
-            if not switch.speculate(batch.seq_lens.shape[0]) or self.speculative_num_steps == 0:
+            bs = batch.seq_lens.shape[0]
+            self.activate_step_by_batch(bs)  # SGLang's adaptive step count, if on
+            flips = switch.switches
+            speculate = switch.speculate(bs)
+            if switch.switches != flips:
+                _log_flip(self, speculate, bs, switch)
+            if not speculate or self.speculative_num_steps == 0:
                 return eagle_v2_plain_decode(self, batch, lag, on_publish, argument("grammar_barrier", args, kwargs))
             eagle_v2_catch_up(self, batch, lag)
         elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag

@@ -30,7 +30,7 @@ python3 -m pip download -q "${P[@]}" -d $D/whl transformers==5.12.1 tokenizers==
   partial-json-parser==0.2.1.1.post7 setproctitle==1.3.8 openai==2.6.1 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 loguru==0.7.3 sniffio==1.3.1 \
   distro==1.9.0 jiter==0.19.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
-  rpds-py==2026.9.1 python-multipart==0.0.34 zstandard==0.25.0 interegular==0.3.3
+  rpds-py==2026.9.1 python-multipart==0.0.34
 fetch() {  # name==version -> a wheel path (downloaded unless $2 names one)
   [ -n "$2" ] && { echo "$2"; return; }
   python3 -m pip download -q "${P[@]}" -d $W "$1" >/dev/null && ls $W/"$(echo "${1%%==*}" | tr - _)"-*.whl
@@ -50,19 +50,23 @@ import json, sys
 
 d = sys.argv[1]
 # xgrammar (a 44 MB wheel) stands in by the names SGLang 0.5.17 imports at module level (tool-call structural
-# tags, its grammar backend); anything using them raises. The servers run --grammar-backend none.
-names = ["StructuralTag", "get_model_structural_tag", "GrammarCompiler", "GrammarMatcher", "TokenizerInfo",
-         "CompiledGrammar", "allocate_token_bitmask", "apply_token_bitmask_inplace", "fill_next_token_bitmask"]
-formats = ["AnyTextFormat", "AnyTokensFormat", "ConstStringFormat", "ExcludeTokenFormat", "Format",
-           "JSONSchemaFormat", "OptionalFormat", "OrFormat", "QwenXMLParameterFormat", "RegexFormat",
-           "SequenceFormat", "TagFormat", "TagsWithSeparatorFormat", "TriggeredTagsFormat", "GrammarFormat",
-           "PlusFormat", "StarFormat", "TokenFormat"]
-body = lambda ns: "".join(f"class {n}:\n    def __init__(self, *a, **k):\n        raise RuntimeError("
-                          f"'xgrammar stand-in: {n} is not available (run with --grammar-backend none)')\n" for n in ns)
-doc = '"""Stand-in for xgrammar: the names SGLang 0.5.17 imports at module level; using one raises."""\n'
-open(f"{d}/stubs/xgrammar/__init__.py", "w").write(doc + "__version__ = '0.0.0+stand-in'\n" + body(names) + "\n".join(
-    f"def {f}(*a, **k):\n    raise RuntimeError('xgrammar stand-in')" for f in ("get_model_structural_tag",)) + "\n")
-open(f"{d}/stubs/xgrammar/structural_tag.py", "w").write(doc + body(formats))
+# tags, its grammar backend): its structural tags as open pydantic models (SGLang's request models type fields with
+# them), the rest raising on use. The servers run --grammar-backend none.
+tags = ["StructuralTag", "AnyTextFormat", "AnyTokensFormat", "ConstStringFormat", "ExcludeTokenFormat", "Format",
+        "JSONSchemaFormat", "OptionalFormat", "OrFormat", "QwenXMLParameterFormat", "RegexFormat", "SequenceFormat",
+        "TagFormat", "TagsWithSeparatorFormat", "TriggeredTagsFormat", "GrammarFormat", "PlusFormat", "StarFormat",
+        "TokenFormat"]
+missing = ["GrammarCompiler", "GrammarMatcher", "TokenizerInfo", "CompiledGrammar"]
+doc = '"""Stand-in for xgrammar: the names SGLang 0.5.17 imports at module level; grammar work raises."""\n'
+models = "".join(f"class {n}(_Open):\n    pass\n\n\n" for n in tags)
+head = (doc + "from pydantic import BaseModel, ConfigDict\n\n__version__ = '0.0.0+stand-in'\n\n\n"
+        "class _Open(BaseModel):\n    model_config = ConfigDict(extra='allow')\n\n\n")
+raising = "".join(f"class {n}:\n    def __init__(self, *a, **k):\n        raise RuntimeError('xgrammar stand-in: no "
+                  f"{n} (run with --grammar-backend none)')\n\n\n" for n in missing)
+funcs = "".join(f"def {f}(*a, **k):\n    raise RuntimeError('xgrammar stand-in: no {f}')\n\n\n"
+                for f in ("get_model_structural_tag", "allocate_token_bitmask", "apply_token_bitmask_inplace"))
+open(f"{d}/stubs/xgrammar/__init__.py", "w").write(head + models + raising + funcs)
+open(f"{d}/stubs/xgrammar/structural_tag.py", "w").write(doc + "from . import " + ", ".join(tags) + "  # noqa: F401\n")
 
 # Llama-3.1-8B's public configuration (dummy weights: the shapes are what matters).
 target = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,

@@ -325,6 +325,24 @@ def _catch_up_two_of_four_rows(cfg, target, draft, reqs, alloc, logits):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=f"draft KV of request {r}")
 
 
+def test_a_row_whose_lag_disagrees_with_the_batch_is_not_caught_up(caplog):
+    """Positions kept on the device are not checked on the step path; the catch-up checks them against the
+    batch's own lengths once per resume: a row that disagrees (reused unseen) is left out with a warning rather
+    than written at another request's KV slots."""
+    mr, reqs, alloc = R.world()
+    idx, lens, bonus = R.plain_step_inputs(mr, reqs, alloc, [0, 1])
+    lag = DraftLag(keep_hidden=False)
+    lag.record([0, 1], lens)  # one plain step at lens: each lag ends at lens + 1
+    batch = R.spec_v2_batch(mr, idx, torch.tensor([int(lens[0]) + 1, int(lens[1]) + 5]), bonus, reqs=reqs)
+    seen = []
+    worker = R.spec_v2_worker(mr, draft_worker=SimpleNamespace(
+        _draft_extend_for_prefill=lambda view, hidden, tokens: seen.append(view.req_pool_indices.tolist())
+        or SimpleNamespace()))
+    with caplog.at_level(logging.WARNING, logger="graphpool"):
+        v2.eagle_v2_catch_up(worker, batch, lag)
+    assert seen == [[0]] and "row 1 lags up to" in caplog.text and len(lag) == 0
+
+
 @contextlib.contextmanager
 def _rejection_sampling(mr):
     """--speculative-use-rejection-sampling on, where this SGLang reads it: its runtime context's spec settings

@@ -179,6 +179,17 @@ def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
     if not gaps:
         return
     idx = [i for i, r in enumerate(rows) if r in gaps]
+    # The batch's own lengths (host copy, else one read of the device's per resume) must be where each lag
+    # ends; a row that disagrees is not caught up (its draft proposes from stale state: outputs stay exact).
+    lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens
+    held = [int(v) for v in lens[torch.tensor(idx, dtype=torch.int64, device=lens.device)].tolist()]
+    for i, n in zip(list(idx), held):
+        if gaps[rows[i]].end != n:
+            log.warning("graphpool draft catch-up: row %d lags up to %d but holds %d tokens; not caught up",
+                        rows[i], gaps[rows[i]].end, n)
+            idx.remove(i)
+    if not idx:
+        return
     chunks = [gaps[rows[i]] for i in idx]
     kept = [chunk.hidden for chunk in chunks]
     hidden = torch.cat(kept) if kept[0] is not None else None  # None: a STANDALONE draft reads tokens only

@@ -236,7 +236,7 @@ class Bench:
                 if server is not None:
                     servers[cfg.name] = server
                     self.phase("warm", f"http://127.0.0.1:{ports[cfg.name]}", cfg, workloads.warmup(), 8)
-            seconds = 0.3 if self.a.quick else self.a.window_s
+            seconds = 0.15 if self.a.quick else self.a.window_s
             for c in CONCURRENCY:
                 for r in range(2):
                     for cfg in configs:

@@ -230,7 +230,7 @@ def test_runner_api_bench_dry_run_of_a_phase(tmp_path, phase):
         assert summary.count("[PASS]") == 4 and "graphpool plain DECODE step 9000 us (0.818x)" in summary
         assert data["configs"]["gp-adaptive"]["windows"][0]["concurrency"] == 32
     else:
-        # stand-ins of one speed: which side of 0.97x a 0.3 s window lands is noise, the six verdicts are not
+        # stand-ins of one speed: which side of 0.97x a 0.15 s window lands is noise, the six verdicts are not
         assert len(re.findall(r"^\[(?:PASS|FAIL)\] C=(?:1|8|32) graphpool", summary, re.M)) == 6, summary
         windows = [w for c in data["configs"].values() for w in c["windows"]]
         assert sorted({(w["config"], w["concurrency"], w["round"]) for w in windows}) == sorted(

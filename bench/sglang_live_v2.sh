@@ -2,12 +2,13 @@
 # Live SGLang 0.5.17 (runner API) on the H200, one phase per call: lays out SGLang from the .sgl17/ carry
 # (bench/sglang_live_v2_carry.sh) and graphpool, then runs bench/sglang_live_v2.py. From the repository root:
 #   [DEADLINE_S=550] bash bench/sglang_live_v2.sh --phase correctness|flashinfer|throughput [more sglang_live_v2.py args]
-# Installs into $SGL_RUN_DIR (default /tmp/gp-live17: outside the checkout, so a warm machine keeps it, and the
+# Installs into $SGL_RUN_DIR (default gp-live17 in the system's temporary folder: outside the checkout, so a warm
+# machine keeps it, and the
 # JIT caches beside it, from one call to the next). Writes $OUT/setup.log plus what sglang_live_v2.py writes.
 set -u
 T0=$(date +%s); DEADLINE_S=${DEADLINE_S:-550}
 OUT=${OUT:-out/sglang_live_v2}; mkdir -p "$OUT"; S=$PWD/.sgl17
-RUN=${SGL_RUN_DIR:-/tmp/gp-live17}; SITE=$RUN/site; GP=$RUN/gp
+RUN=${SGL_RUN_DIR:-$(dirname "$(mktemp -u)")/gp-live17}; SITE=$RUN/site; GP=$RUN/gp
 [ -d "$S/whl" ] || { echo "no .sgl17/whl here: build it first (bash bench/sglang_live_v2_carry.sh)"; exit 2; }
 mkdir -p "$RUN"
 {

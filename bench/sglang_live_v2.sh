@@ -3,8 +3,7 @@
 # (bench/sglang_live_v2_carry.sh) and graphpool, then runs bench/sglang_live_v2.py. From the repository root:
 #   [DEADLINE_S=550] bash bench/sglang_live_v2.sh --phase correctness|flashinfer|throughput [more sglang_live_v2.py args]
 # Installs into $SGL_RUN_DIR (default gp-live17 in the system's temporary folder: outside the checkout, so a warm
-# machine keeps it, and the
-# JIT caches beside it, from one call to the next). Writes $OUT/setup.log plus what sglang_live_v2.py writes.
+# machine keeps it, and the JIT caches beside it, from one call to the next). Writes $OUT/setup.log plus what sglang_live_v2.py writes.
 set -u
 T0=$(date +%s); DEADLINE_S=${DEADLINE_S:-550}
 OUT=${OUT:-out/sglang_live_v2}; mkdir -p "$OUT"; S=$PWD/.sgl17

@@ -90,8 +90,10 @@ def server_args(models: str, attention: str, *, overlap: bool = True, topk: Opti
 def phase_configs(phase: str, models: str) -> List[Config]:
     """The servers of a phase, in the order they run (the reference first)."""
     if phase == "correctness":
-        return [Config("stock", "SGLang, no speculation (reference)", SGL, server_args(models, "triton"), reference=True),
-                *[Config(f"gp-k{k}-{'ovl' if ovl else 'sync'}", f"graphpool switch, topk {k}, overlap {'on' if ovl else 'off'}",
+        return [Config("stock", "SGLang, no speculation (reference)", SGL, server_args(models, "triton"),
+                       reference=True),
+                *[Config(f"gp-k{k}-{'ovl' if ovl else 'sync'}",
+                         f"graphpool switch, topk {k}, overlap {'on' if ovl else 'off'}",
                          GP, server_args(models, "triton", overlap=ovl, topk=k, switch=True), switch=True)
                   for ovl, k in ((True, 1), (True, 4), (False, 1), (False, 4))]]
     if phase == "flashinfer":
@@ -105,7 +107,8 @@ def phase_configs(phase: str, models: str) -> List[Config]:
                        server_args(models, "triton", topk=1, adaptive=True))]
     return [Config("stock", "SGLang, no speculation", SGL, server_args(models, "triton", sleep_on_idle=True)),
             Config("gp-nospec", "graphpool, no speculation", GP, server_args(models, "triton", sleep_on_idle=True)),
-            Config("stock-spec", "SGLang, EAGLE3 topk 1", SGL, server_args(models, "triton", topk=1, sleep_on_idle=True)),
+            Config("stock-spec", "SGLang, EAGLE3 topk 1", SGL,
+                   server_args(models, "triton", topk=1, sleep_on_idle=True)),
             Config("gp-switch", "graphpool switch, EAGLE3 topk 1", GP,
                    server_args(models, "triton", topk=1, switch=True, sleep_on_idle=True), switch=True)]
 
@@ -264,7 +267,8 @@ class Bench:
 
     # ------------------------------------------------------------------------------- report
     def report(self, phase: str) -> str:
-        lines = [f"live SGLang 0.5.17, Llama-3.1-8B shape (dummy weights), phase {phase}, {time.perf_counter() - self.t0:.0f}s"]
+        lines = [f"live SGLang 0.5.17, Llama-3.1-8B shape (dummy weights), phase {phase}, "
+                 f"{time.perf_counter() - self.t0:.0f}s"]
         if phase == "throughput":
             lines += self.throughput_table()
         else:
@@ -303,13 +307,14 @@ class Bench:
                         and 2 * aborts_ok >= len(aborted) and log_.replays.get("DECODE", 0) > 0
                         and log_.replays.get("TARGET_VERIFY", 0) > 0)
                 verdicts.append(f"[{'PASS' if good else 'FAIL'}] {name}: ramp {ok}/{len(answers)} as asked (aborts "
-                                f"{aborts_ok}/{len(aborted)} aborted mid-stream), DECODE and TARGET_VERIFY replayed, "
+                                f"{aborts_ok}/{len(aborted)} aborted mid-stream), replays {log_.replays or '-'}, "
                                 f"{eager} eager steps, status {r.status}" + (f"; problems {r.problems('ramp')[:2]}"
                                                                              if ok < len(answers) else ""))
                 if match:
                     verdicts.append(f"[{'PASS' if match['identical'] == match['requests'] else 'FAIL'}] {name}: greedy "
                                     f"= reference for {match['identical']}/{match['requests']} requests "
-                                    f"({100 * match['token_match']:.1f}% of tokens; first differences {match['first_diffs']})")
+                                    f"({100 * match['token_match']:.1f}% of tokens; first differences "
+                                    f"{match['first_diffs']})")
         return out + [""] + verdicts
 
     def adaptive_lines(self) -> List[str]:
@@ -318,14 +323,16 @@ class Bench:
             return ["[n/a] adaptive side by side: not run"]
         st, gt = s.result.log.graph_totals(), g.result.log.graph_totals()
         ss, gs = s.result.log.step_gpu("bs=32 tok=1"), g.result.log.step_gpu("bs=32 tok=1")
-        out = [f"[INFO] graphs (target + draft + adaptive states): stock-adaptive {_f(st and st['reserved_mib'], '.0f')} MiB "
+        out = [f"[INFO] graphs (target + draft + adaptive states): stock-adaptive "
+               f"{_f(st and st['reserved_mib'], '.0f')} MiB "
                f"in {_f(st and st['seconds'], '.1f')} s; gp-adaptive {_f(gt and gt['reserved_mib'], '.0f')} MiB in "
                f"{_f(gt and gt['seconds'], '.1f')} s",
                f"[INFO] step GPU time at 32 requests (1 token per request): stock adaptive step 0 {_f(ss, '.0f')} us, "
                f"graphpool plain DECODE step {_f(gs, '.0f')} us" + (f" ({gs / ss:.3f}x)" if ss and gs else "")]
         for o in (s, g):
             if o.windows:
-                out.append(f"[INFO] {o.result.name}: C=32 {o.windows[0].tok_s:.0f} tok/s ({len(o.windows[0].answers)} requests)")
+                out.append(f"[INFO] {o.result.name}: C=32 {o.windows[0].tok_s:.0f} tok/s "
+                           f"({len(o.windows[0].answers)} requests)")
         return out
 
     def throughput_table(self) -> List[str]:
@@ -336,7 +343,8 @@ class Bench:
             cells = []
             for c in CONCURRENCY:
                 x = stats[name][c]
-                cells.append(f"{x['median']:.0f} ({x['min']:.0f}-{x['max']:.0f}, {x['rounds']}x{x['requests'] // max(1, x['rounds'])})"
+                per_round = x["requests"] // max(1, x["rounds"]) if x else 0
+                cells.append(f"{x['median']:.0f} ({x['min']:.0f}-{x['max']:.0f}, {x['rounds']}x{per_round})"
                              if x else "-")
             out.append(f"{name:<11} " + " ".join(f"{cell:>26}" for cell in cells))
         out.append("")
@@ -344,12 +352,14 @@ class Bench:
             st, gn, ss, gs = (stats.get(n, {}).get(c) for n in ("stock", "gp-nospec", "stock-spec", "gp-switch"))
             if st and gn:
                 ratio = gn["median"] / st["median"]
-                out.append(f"[{'PASS' if ratio >= 0.97 else 'FAIL'}] C={c} graphpool without speculation {ratio:.3f}x stock "
-                           f"({gn['median']:.0f} vs {st['median']:.0f} tok/s; {min(gn['rounds'], st['rounds'])} rounds)")
+                out.append(f"[{'PASS' if ratio >= 0.97 else 'FAIL'}] C={c} graphpool without speculation {ratio:.3f}x "
+                           f"stock ({gn['median']:.0f} vs {st['median']:.0f} tok/s; "
+                           f"{min(gn['rounds'], st['rounds'])} rounds)")
             best = max((x for x in (st, ss) if x), key=lambda x: x["median"], default=None)
             if gs and best:
                 ratio = gs["median"] / best["median"]
-                out.append(f"[{'PASS' if ratio >= 0.97 else 'FAIL'}] C={c} graphpool switch {ratio:.3f}x the better stock "
+                out.append(f"[{'PASS' if ratio >= 0.97 else 'FAIL'}] C={c} graphpool switch {ratio:.3f}x the better "
+                           f"stock "
                            f"({gs['median']:.0f} vs {best['median']:.0f} tok/s)")
         return out
 
@@ -392,12 +402,15 @@ def _f(value: Optional[float], spec: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=PHASES, required=True)
     p.add_argument("--out", default=os.environ.get("OUT", "out/sglang_live_v2"))
-    p.add_argument("--models", default=".sgl17/models", help="folder with llama-3.1-8b/, eagle3-llama-3.1-8b/, adaptive.json")
+    p.add_argument("--models", default=".sgl17/models",
+                   help="folder with llama-3.1-8b/, eagle3-llama-3.1-8b/, adaptive.json")
     p.add_argument("--deadline-s", type=float, default=float(os.environ.get("DEADLINE_S", 540)))
-    p.add_argument("--start-s", type=float, default=110.0, help="budget for a server to answer /health (the first: 1.6x)")
+    p.add_argument("--start-s", type=float, default=110.0,
+                   help="budget for a server to answer /health (the first: 1.6x)")
     p.add_argument("--window-s", type=float, default=10.0, help="throughput: seconds per timed window (>= 10)")
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--python", default=sys.executable)

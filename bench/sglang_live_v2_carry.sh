@@ -39,16 +39,24 @@ SGL=$(fetch sglang==0.5.17 "${SGLANG_WHEEL:-}"); SGLK=$(fetch sglang-kernel==0.4
 FI=$(fetch flashinfer-python==0.6.15.post1 "${FI_WHEEL:-}")
 mkdir $W/s && unzip -q "$SGL" -d $W/s && (cd $W/s && rm -rf sglang/multimodal_gen sglang/test \
   sglang/srt/server/_core*.so sglang/srt/multimodal/_core*.so && tar -cJf - .) > $D/sglang-slim.tar.xz
-mkdir $W/k && unzip -q "$SGLK" -d $W/k && (cd $W/k && rm -rf sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so \
-  sgl_kernel/infllm_ops*.so sgl_kernel/sm100 lib include _mscclpp* && tar -cJf - .) > $D/sglk-slim.tar.xz
-mkdir $W/f && unzip -q "$FI" -d $W/f && (cd $W/f && tar -cJf - flashinfer flashinfer_python-*.dist-info) > $D/flashinfer.tar.xz
-echo '# stand-in: sglang.utils only needs IPython.display.{HTML,display} (notebook helpers)' > $D/stubs/IPython/__init__.py
-printf 'class HTML:\n    def __init__(self, data=None, *a, **k): self.data = data\ndef display(*objs, **k):\n    for o in objs: print(getattr(o, "data", o))\n' > $D/stubs/IPython/display.py
-printf '# stand-in: only the audio transcription endpoint uses soundfile\ndef _missing(*a, **k):\n    raise RuntimeError("soundfile stand-in: no audio I/O here")\nread = write = info = SoundFile = _missing\n' > $D/stubs/soundfile.py
+mkdir $W/k && unzip -q "$SGLK" -d $W/k && (cd $W/k && rm -rf sgl_kernel/flash_ops.abi3.so \
+  sgl_kernel/flashmla_ops.abi3.so sgl_kernel/infllm_ops*.so sgl_kernel/sm100 lib include _mscclpp* \
+  && tar -cJf - .) > $D/sglk-slim.tar.xz
+mkdir $W/f && unzip -q "$FI" -d $W/f && (cd $W/f && tar -cJf - flashinfer flashinfer_python-*.dist-info) \
+  > $D/flashinfer.tar.xz
 python3 - "$D" <<'PY'
 import json, sys
 
 d = sys.argv[1]
+# sglang.utils needs IPython.display.{HTML, display} (notebook helpers); only the audio endpoint uses soundfile.
+open(f"{d}/stubs/IPython/__init__.py", "w").write('"""Stand-in: the notebook helpers SGLang imports."""\n')
+open(f"{d}/stubs/IPython/display.py", "w").write(
+    "class HTML:\n    def __init__(self, data=None, *a, **k):\n        self.data = data\n\n\n"
+    "def display(*objs, **k):\n    for o in objs:\n        print(getattr(o, 'data', o))\n")
+open(f"{d}/stubs/soundfile.py", "w").write(
+    '"""Stand-in: only the audio transcription endpoint uses soundfile."""\n\n\n'
+    "def _missing(*a, **k):\n    raise RuntimeError('soundfile stand-in: no audio I/O here')\n\n\n"
+    "read = write = info = SoundFile = _missing\n")
 # xgrammar (a 44 MB wheel) stands in by the names SGLang 0.5.17 imports at module level (tool-call structural
 # tags, its grammar backend): its structural tags as open pydantic models (SGLang's request models type fields with
 # them), the rest raising on use. The servers run --grammar-backend none.

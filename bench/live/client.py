@@ -1,7 +1,7 @@
 """A concurrent client for a live SGLang server started with ``--skip-tokenizer-init``: token ids in,
 token ids out, greedy, over ``POST /generate`` (streamed, then aborted, for requests that ask for an abort;
-standard library only: the GPU machine has no extra packages). Every request of a workload is a :class:`Request`; every answer a :class:`Answer`, checked
-against what was asked (:func:`check`)."""
+standard library only: the GPU machine has no extra packages). Every request of a workload is a
+:class:`Request`; every answer an :class:`Answer`, checked against what was asked (:func:`check`)."""
 from __future__ import annotations
 
 import json
@@ -104,7 +104,8 @@ def _post_and_abort(url: str, request: Request, timeout: float) -> Answer:
                 ids = _stream_ids(ids, last)
                 if not aborted and len(ids) >= request.abort_after:
                     aborted = True
-                    abort = urllib.request.Request(url + "/abort_request", data=json.dumps({"rid": request.rid}).encode(),
+                    abort = urllib.request.Request(url + "/abort_request",
+                                                   data=json.dumps({"rid": request.rid}).encode(),
                                                    headers={"Content-Type": "application/json"})
                     urllib.request.urlopen(abort, timeout=10).read()
     except urllib.error.HTTPError as e:
@@ -114,9 +115,10 @@ def _post_and_abort(url: str, request: Request, timeout: float) -> Answer:
     if last is None:
         return Answer(request.rid, status, time.perf_counter() - t0, error="empty stream")
     meta = last.get("meta_info", {})
-    return Answer(request.rid, status, time.perf_counter() - t0, output_ids=ids, finish_reason=meta.get("finish_reason"),
-                  completion_tokens=meta.get("completion_tokens", len(ids)), e2e_latency=meta.get("e2e_latency"),
-                  spec_verify_ct=meta.get("spec_verify_ct"), spec_num_correct_drafts=meta.get("spec_num_correct_drafts"))
+    return Answer(request.rid, status, time.perf_counter() - t0, output_ids=ids,
+                  finish_reason=meta.get("finish_reason"), completion_tokens=meta.get("completion_tokens", len(ids)),
+                  e2e_latency=meta.get("e2e_latency"), spec_verify_ct=meta.get("spec_verify_ct"),
+                  spec_num_correct_drafts=meta.get("spec_num_correct_drafts"))
 
 
 def _stream_ids(ids: List[int], chunk: Dict[str, Any]) -> List[int]:

@@ -186,7 +186,8 @@ def test_the_installed_switch_hands_the_grammar_barrier_to_the_plain_step(monkey
     if "grammar_barrier" not in inspect.signature(EAGLEWorkerV2.forward_batch_generation).parameters:
         pytest.skip("this SGLang (0.5.14) passes no grammar barrier: it syncs grammar batches instead")
     got = []
-    monkeypatch.setattr(v2, "eagle_v2_plain_decode", lambda worker, batch, lag, on_publish, barrier: got.append(barrier))
+    monkeypatch.setattr(v2, "eagle_v2_plain_decode",
+                        lambda worker, batch, lag, on_publish, barrier: got.append(barrier))
     v2.install_speculation_switch(4)
     worker = object.__new__(EAGLEWorkerV2)
     worker.speculative_num_steps, worker.activate_step_by_batch = 3, lambda bs: None
@@ -396,7 +397,8 @@ def test_the_replay_view_carries_every_field_of_sglangs():
     mr, reqs, alloc = R.world()
     views = []
     plan = mr.attn_backend.init_forward_metadata_out_graph
-    mr.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: (views.append(fb), plan(fb, in_capture))
+    mr.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: (views.append(fb),
+                                                                                    plan(fb, in_capture))
     fb = H.decode_batch(mr, reqs, [0, 1, 2], alloc)
     sentinels = {}
     for name in ("max_seq_len_host", "kv_loc_cols", "out_cache_loc_virtual", "max_seq_len_override"):
@@ -491,7 +493,8 @@ def test_lora_paths_alone_are_refused_as_lora():
     assert not any(r.startswith("LoRA") for r in support.unsupported_reasons(_stand_in(_server_args())))
 
 
-@pytest.mark.parametrize("attr, what", [("model_is_mrope", "mrope positions"), ("use_ngram_embedding", "ngram embedding")])
+@pytest.mark.parametrize("attr, what", [("model_is_mrope", "mrope positions"),
+                                        ("use_ngram_embedding", "ngram embedding")])
 def test_model_features_kept_on_model_config_are_refused(attr, what):
     args = _server_args()
     assert what not in support.unsupported_reasons(_stand_in(args))

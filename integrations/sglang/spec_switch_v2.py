@@ -365,8 +365,9 @@ def _say_where_the_switch_does_not_act() -> None:
         if own is None or cls in _own_originals:
             continue
         _own_originals[cls] = own
-        cls.forward_batch_generation = _warn_once(own, f"graphpool switch: {what} runs on SGLang's {name}, which the "
-                                                       f"switch does not drive; speculation stays on at every batch size")
+        cls.forward_batch_generation = _warn_once(own, f"graphpool switch: {what} runs on SGLang's {name}, which "
+                                                       f"the switch does not drive; speculation stays on at every "
+                                                       f"batch size")
 
 
 def _warn_once(method: Any, message: str) -> Any:

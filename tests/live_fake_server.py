@@ -23,9 +23,11 @@ def _arg(name: str, default: str = "") -> str:
 
 
 SPEC = bool(_arg("--speculative-algorithm"))
-GRAPHPOOL = any(a.startswith("--graphpool") for a in ARGS)
+# graphpool's launcher (runner API: flagged by the bench's module name; classic: its --graphpool options)
+GRAPHPOOL = any(a.startswith("--graphpool") for a in ARGS) or os.environ.get("FAKE_SERVER_GRAPHPOOL") == "1"
 CRASH = "--graphpool-keep-sglang-runner" in ARGS
-LOCK, STATE = threading.Lock(), {"replays": 0}
+RUNNER_API = "--cuda-graph-max-bs-decode" in ARGS  # SGLang 0.5.14+'s flags: the runner-API probe's lines
+LOCK, STATE = threading.Lock(), {"replays": 0, "aborted": set()}
 
 
 def say(line: str) -> None:
@@ -48,6 +50,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/abort_request":
+            with LOCK:
+                STATE["aborted"].add(body.get("rid"))
+            self.send_response(200)
+            self.end_headers()
+            return
         if CRASH:
             say("Scheduler hit an exception: Traceback (most recent call last):")
             say("RuntimeError: The size of tensor a (64) must match the size of tensor b (16) at non-singleton dimension 0")
@@ -71,12 +79,33 @@ class Handler(BaseHTTPRequestHandler):
                     if SPEC else "") + "; eager fallbacks: none")
         say(f"Decode batch, #running-req: 1, #token: 10, token usage: 0.00, {'accept len: 3.50, ' if SPEC else ''}"
             f"cuda graph: True, gen throughput (token/s): 100.00, #queue-req: 0")
+        if body.get("stream"):
+            self.stream(body.get("rid"), out, meta)
+            return
         data = json.dumps({"output_ids": out, "meta_info": meta}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def stream(self, rid, out, meta):
+        """SGLang's event stream: every chunk holds all ids so far; an abort ends it with finish_reason abort."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for n in range(1, len(out) + 1):
+            with LOCK:
+                aborted = rid in STATE["aborted"]
+            done = aborted or n == len(out)
+            chunk_meta = dict(meta, completion_tokens=n, finish_reason=(
+                {"type": "abort", "message": "Abort in waiting queue"} if aborted else meta["finish_reason"]) if done else None)
+            self.wfile.write(b"data: " + json.dumps({"output_ids": out[:n], "meta_info": chunk_meta}).encode() + b"\n\n")
+            self.wfile.flush()
+            if done:
+                break
+            time.sleep(0.002)
+        self.wfile.write(b"data: [DONE]\n\n")
 
 
 def main() -> None:
@@ -90,8 +119,20 @@ def main() -> None:
         modes = "['DECODE', 'TARGET_VERIFY']" if SPEC else "['DECODE']"
         say(f"graphpool captured {16 if SPEC else 8} graphs for {modes} at batch sizes [1, 2, 4, 8, 12, 16, 24, 32]")
     runner = "MultiModeCudaGraphRunner" if GRAPHPOOL and not CRASH else "CudaGraphRunner"
-    print(f"graph-probe: target {runner} captured in 1.20 s: torch reserved +{41.5 if GRAPHPOOL else 40.0} MiB, "
-          f"device +44.0 MiB", file=sys.stderr, flush=True)
+    if RUNNER_API:
+        runner = "MultiModeDecodeRunner" if GRAPHPOOL else "DecodeCudaGraphRunner"
+        print(f"graph-probe: target init_cuda_graphs {runner} in 1.20 s: torch reserved +{41.5 if GRAPHPOOL else 40.0} "
+              f"MiB, device +44.0 MiB", file=sys.stderr, flush=True)
+        if SPEC:
+            adaptive = "--speculative-adaptive" in ARGS
+            print(f"graph-probe: spec init_cuda_graphs EAGLEWorkerV2 in 2.00 s: torch reserved "
+                  f"+{(90.0 if GRAPHPOOL else 80.0) if adaptive else 20.0} MiB, device +21.0 MiB", file=sys.stderr, flush=True)
+            step = 9000.0 if GRAPHPOOL else 11000.0  # a plain step; adaptive's step 0 adds a draft extend
+            print(f"graph-probe: step gpu us: bs=32 tok=1 median {step} p90 {step + 200} n=150", file=sys.stderr,
+                  flush=True)
+    else:
+        print(f"graph-probe: target {runner} captured in 1.20 s: torch reserved +{41.5 if GRAPHPOOL else 40.0} MiB, "
+              f"device +44.0 MiB", file=sys.stderr, flush=True)
     say("Capture cuda graph end. Time elapsed: 1.20 s. mem usage=0.04 GB. avail mem=70.00 GB.")
     if GRAPHPOOL and SPEC and not CRASH:
         say("graphpool switch: speculation OFF at 9 running requests (off above 8, on at <= 4); graphpool replays "

@@ -9,8 +9,9 @@ model, with no graph), and the single-process stand-ins for the TP group and pip
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -21,9 +22,10 @@ H.require_api("runner")
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 
 def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_backend: str = "full",
@@ -36,7 +38,9 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
     config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
                              prefill=PhaseConfig(backend="disabled"))
     context = runtime_context.get_context()
-    if hasattr(context, "set_server_args"):  # 0.5.2x: settings live in the runtime context's config bags
+    if hasattr(context, "set_server_args"):  # 0.5.17+: settings live in the runtime context's config bags
+        if hasattr(args, "override"):  # 0.5.17: its runners still read the batch sizes off the record itself
+            args.override("graphpool-test", cuda_graph_config=config)
         context.set_server_args(args)
         context.override("graphpool-test", cuda_graph_config=config)
     else:  # 0.5.14: settings live on the (global) ServerArgs
@@ -44,16 +48,30 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
 
         args.cuda_graph_config = config
         set_global_server_args_for_scheduler(args)
-        if "override" not in _SINGLE_PROCESS:  # its parallel context asks torch.distributed's groups
-            override = runtime_context.get_parallel().override(
-                world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1,
-                attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
-            override.__enter__()
-            _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
+    _single_process_parallel_context()
     return args
 
 
-_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14's parallel context, held at one process for the test session
+def _single_process_parallel_context() -> None:
+    """0.5.14 and 0.5.17's parallel context asks torch.distributed's groups, which a single-process test has
+    not created (0.5.23 answers from the published ServerArgs): hold it at one process for the session."""
+    if "override" in _SINGLE_PROCESS:
+        return
+    try:
+        runtime_context.get_parallel().attn_cp_size
+        return
+    except (AssertionError, AttributeError, RuntimeError):
+        pass
+    one = dict(world_size=1, world_rank=0, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1, attn_tp_rank=0,
+               attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, moe_ep_size=1, moe_ep_rank=0,
+               moe_tp_size=1, moe_tp_rank=0, moe_dp_size=1, moe_dp_rank=0)
+    known = getattr(runtime_context, "_PARALLEL_FIELDS", one)  # the fields this SGLang's context overrides
+    override = runtime_context.get_parallel().override(**{k: v for k, v in one.items() if k in known})
+    override.__enter__()
+    _SINGLE_PROCESS["override"] = override  # held: a collected override restores on exit
+
+
+_SINGLE_PROCESS: dict = {}  # SGLang 0.5.14 / 0.5.17's parallel context, held at one process for the session
 
 
 class EagerSteps:
@@ -101,3 +119,115 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
     @graph_runner.setter
     def graph_runner(self, runner: Any) -> None:
         self.decode_cuda_graph_runner = runner
+
+
+# ----------------------------------------------------------------------------------- a prefilled spec-v2 server
+def world(*, graphs: bool = True, algorithm: Optional[str] = None, forward: Any = None,
+          device: torch.device = torch.device("cpu")) -> Tuple[RunnerApiModelRunner, H.Requests, H.SlotAllocator]:
+    """A prefilled harness server (EAGLE, batch sizes 1, 2, 4); ``forward`` wraps the model's forward."""
+    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4))
+    mr = RunnerApiModelRunner(cfg, device, speculative=True)
+    if algorithm is not None:
+        mr.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
+    if forward is not None:
+        mr.model.forward = forward(mr.model.forward)
+    if graphs:
+        from graphpool.integrations.sglang.runner_api import MultiModeDecodeRunner
+
+        mr.decode_cuda_graph_runner = MultiModeDecodeRunner(mr)
+    reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=11)
+    alloc = H.SlotAllocator(cfg.kv_slots)
+    H.prefill(mr, reqs, alloc)
+    return mr, reqs, alloc
+
+
+def plain_step_inputs(mr: Any, reqs: H.Requests, alloc: H.SlotAllocator,
+                      rows: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a spec-v2 plain step starts from: rows, KV lengths (slot reserved at seq_len), bonus tokens."""
+    dev = mr.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    lens = torch.tensor([reqs.kv_len(r) for r in rows], dtype=torch.int64, device=dev)
+    mr.req_to_token_pool.req_to_token[idx, lens] = alloc.alloc(len(rows), dev).to(torch.int32)
+    bonus = torch.tensor([reqs.tokens[r][-1] for r in rows], dtype=torch.int32, device=dev)
+    return idx, lens, bonus
+
+
+def real_sampling(mr: Any, bs: int, temperatures: Optional[torch.Tensor] = None) -> Any:
+    """SGLang's real ModelRunner.sample and Sampler on the harness runner; greedy sampling on the CPU. Returns
+    this SGLang's ``SamplingBatchInfo`` for ``bs`` requests (``temperatures`` ``[bs, 1]``, else ones)."""
+    from sglang.srt.layers.sampler import Sampler
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    mr.sample = ModelRunner.sample.__get__(mr)
+    mr._preprocess_logits = ModelRunner._preprocess_logits.__get__(mr)
+    group = SimpleNamespace(device_group=None)
+    try:
+        with runtime_context.get_parallel().override(tp_group=group, attn_tp_group=group):
+            mr.sampler = Sampler()
+    except (ValueError, TypeError, AssertionError, RuntimeError):  # 0.5.14: its Sampler asks get_tp_group()
+        from unittest import mock
+
+        import sglang.srt.layers.sampler as sampler_module
+        with mock.patch.object(sampler_module, "get_tp_group", lambda: group, create=True):
+            mr.sampler = Sampler()
+    mr.sampling_observer = mr.watermark_state = None
+    mr.ngram_embedding_manager = SimpleNamespace(update_after_decode=lambda **kw: None, enabled=False)
+    mr.maybe_update_ngram_token_table = lambda *a, **kw: None
+    fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
+    dev = mr.device
+    kwargs = dict(temperatures=torch.ones(bs, 1, device=dev) if temperatures is None else temperatures,
+                  top_ps=torch.ones(bs, device=dev), top_ks=torch.ones(bs, dtype=torch.int32, device=dev),
+                  min_ps=torch.zeros(bs, device=dev), is_all_greedy=True, is_any_greedy=True,
+                  need_top_p_sampling=False, need_top_k_sampling=False, need_min_p_sampling=False,
+                  vocab_size=mr.cfg.vocab, device=str(dev))
+    return SamplingBatchInfo(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def spec_v2_batch(mr: Any, idx: torch.Tensor, lens: torch.Tensor, bonus: torch.Tensor,
+                  draft_hidden: Optional[torch.Tensor] = None, reqs: Optional[H.Requests] = None, **fields: Any) -> Any:
+    """SGLang's real ``ScheduleBatch`` of a spec-v2 decode step as the worker gets it: requests with their host
+    ``req_pool_idx`` and tokens, device and host lengths (host ones as without overlap), an ``EagleDraftInput``
+    carrying the bonus tokens (and the draft's hidden width), SGLang's ``SamplingBatchInfo``; ``fields`` set
+    more of its fields."""
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    rows = idx.tolist()
+    requests = []
+    for r in rows:  # SGLang's Req; the tokens known so far as its prompt
+        req = Req(f"r{r}", "", list(reqs.tokens[r]) if reqs else [0], SamplingParams(max_new_tokens=256))
+        req.req_pool_idx = r
+        requests.append(req)
+    dev, n = idx.device, len(rows)
+    spec = EagleDraftInput(bonus_tokens=bonus, topk_p=torch.zeros((n, 1), device=dev),
+                           topk_index=torch.zeros((n, 1), dtype=torch.int64, device=dev), hidden_states=draft_hidden)
+    batch = ScheduleBatch(reqs=requests)
+    values = dict(spec_info=spec, seq_lens=lens, seq_lens_cpu=lens.cpu().clone(), seq_lens_sum=int(lens.sum()),
+                  req_pool_indices=idx, sampling_info=real_sampling(mr, n), return_logprob=False, has_grammar=False,
+                  req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE,
+                  spec_algorithm=mr.spec_algorithm, device=str(dev))
+    for name, value in {**values, **fields}.items():
+        setattr(batch, name, value)
+    return batch
+
+
+def spec_v2_worker(mr: Any, **fields: Any) -> SimpleNamespace:
+    """The ``EAGLEWorkerV2`` attributes a plain step and the catch-up read, over the target ``mr``."""
+    return SimpleNamespace(target_worker=SimpleNamespace(model_runner=mr), topk=1, **fields)
+
+
+def server_args_from_cli(*argv: str) -> Optional[ServerArgs]:
+    """``ServerArgs`` as SGLang's own CLI parser builds them, or None where this SGLang has no such flag."""
+    import argparse
+    import contextlib
+    import io
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = parser.parse_args(list(argv))
+    except SystemExit:
+        return None
+    return ServerArgs.from_cli_args(parsed)

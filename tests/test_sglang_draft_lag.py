@@ -68,3 +68,34 @@ def test_a_record_that_does_not_continue_the_lag_restarts_it(caplog):
     chunk = lag.take([5])[5]
     assert (chunk.start, chunk.end) == (9, 10) and chunk.hidden.tolist() == [[0., 0.]] and lag.restarts == 1
     assert "restarting its lag" in caplog.text
+
+
+def test_positions_on_the_device_are_read_once_at_take_and_equal_host_positions():
+    """Spec v2 under the overlap scheduler has no host KV lengths (seq_lens_cpu None for FA3, Triton,
+    trtllm_mha): a plain step records the device tensor, which must not be read on the step path (a read waits
+    for the GPU). A meta tensor has no values to read: recording it must work; take() then reads real ones."""
+    never_read = DraftLag(keep_hidden=False)
+    for step in range(3):
+        never_read.record([4, 7], torch.empty(2, dtype=torch.int64, device="meta"))
+    assert len(never_read) == 2
+    on_device, on_host = DraftLag(max_steps=3), DraftLag(max_steps=3)
+    lens = torch.tensor([30, 50])
+    for step in range(4):
+        hidden = torch.full((2, 1), float(step))
+        on_device.record([4, 7], lens + step, hidden)
+        on_host.record([4, 7], (lens + step).tolist(), hidden)
+    on_device.record([9], torch.tensor([11]), torch.zeros(1, 1))  # a row that joined the plain phase late
+    on_host.record([9], [11], torch.zeros(1, 1))
+    got, want = on_device.take([7, 9, 4]), on_host.take([7, 9, 4])
+    assert list(got) == list(want) == [7, 9, 4]
+    for key in want:
+        assert (got[key].start, got[key].end, got[key].skipped) == (want[key].start, want[key].end, want[key].skipped)
+        assert torch.equal(got[key].hidden, want[key].hidden)
+    assert (got[4].start, got[4].end, got[4].skipped) == (31, 34, 1)
+
+
+def test_device_positions_are_copied_from_the_schedulers_tensor():
+    lag, lens = DraftLag(keep_hidden=False), torch.tensor([8])
+    lag.record(["a"], lens)
+    lens.add_(100)  # the scheduler advances its seq_lens in place
+    assert lag.take(["a"])["a"].start == 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -204,3 +205,33 @@ def test_servers_run_on_the_cpus_asked_for(tmp_path):
     log = server.log_text()
     server.stop()
     assert f"self [{cpu}]" in log and f"child [{cpu}]" in log, log
+
+
+@pytest.mark.parametrize("phase", ["flashinfer", "throughput"])
+def test_runner_api_bench_dry_run_of_a_phase(tmp_path, phase):
+    """bench/sglang_live_v2.py (SGLang 0.5.17's live run) against stand-in servers: a ramp phase with aborts
+    mid-stream, the adaptive side by side (flashinfer phase; it shares the ramp code with correctness), the
+    resident A/B/C/D windows (throughput); the table comes last, the files fit what the GPU machine returns."""
+    out = tmp_path / phase
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "sglang_live_v2.py"), "--phase", phase, "--quick",
+           "--server-module", "tests.live_fake_server", "--deadline-s", "200", "--start-s", "20", "--out", str(out),
+           "--port", "32700" if phase == "flashinfer" else "32800"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = (out / f"summary_{phase}.txt").read_text()
+    assert p.stdout.rstrip().endswith(summary.rstrip()), "the table is printed last"
+    data = json.loads((out / f"sglang_live_v2_{phase}.json").read_text())
+    assert len(os.listdir(out)) <= 8, "the GPU machine returns at most 8 files"
+    if phase == "flashinfer":
+        rows = {line.split()[0]: line.split() for line in summary.splitlines()[3:6]}
+        assert {name: row[1] for name, row in rows.items()} == {"stock-fi": "served", "gp-fi-k1": "served",
+                                                                "gp-fi-k4": "served"}
+        assert rows["gp-fi-k1"][3] == "1/1", "the ramp's abort came back aborted mid-stream"
+        assert summary.count("[PASS]") == 4 and "graphpool plain DECODE step 9000 us (0.818x)" in summary
+        assert data["configs"]["gp-adaptive"]["windows"][0]["concurrency"] == 32
+    else:
+        # stand-ins of one speed: which side of 0.97x a 0.15 s window lands is noise, the six verdicts are not
+        assert len(re.findall(r"^\[(?:PASS|FAIL)\] C=(?:1|8|32) graphpool", summary, re.M)) == 6, summary
+        windows = [w for c in data["configs"].values() for w in c["windows"]]
+        assert sorted({(w["config"], w["concurrency"], w["round"]) for w in windows}) == sorted(
+            (name, c, r) for name in ("stock", "gp-nospec", "stock-spec", "gp-switch") for c in (1, 8, 32) for r in (0, 1))

@@ -137,7 +137,7 @@ def test_spec_v2_switch_keeps_speculating_over_sglangs_runner(monkeypatch, caplo
 
     steps = []
     monkeypatch.setattr(EAGLEWorkerV2, "forward_batch_generation", lambda worker, batch, *a, **k: steps.append("spec"))
-    monkeypatch.setattr(spec_switch_v2, "eagle_v2_plain_decode", lambda worker, batch, lag, _: steps.append("plain"))
+    monkeypatch.setattr(spec_switch_v2, "eagle_v2_plain_decode", lambda worker, batch, lag, *_: steps.append("plain"))
     monkeypatch.setattr(spec_switch_v2, "eagle_v2_catch_up", lambda worker, batch, lag: None)
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, is_extend_in_batch=False, spec_info=object(),
                             seq_lens=torch.zeros(8, dtype=torch.int64))
@@ -189,23 +189,30 @@ def target():
 @contextlib.contextmanager
 def sglang_state(monkeypatch, mr, flags):
     """SGLang's state for ``mr``'s server launched with ``flags``, as its scheduler sets it up (its MoE backend
-    global and ``server_args`` in 0.5.9 to 0.5.18, the published runtime context in 0.5.23); yields what
-    SGLang's own require_gathered_buffer answers in it."""
+    global and ``server_args`` up to 0.5.14, the published runtime context from 0.5.17, whose predicate still takes
+    ``server_args`` up to 0.5.18); yields what SGLang's own require_gathered_buffer answers in it."""
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.utils.common import require_gathered_buffer
 
     launched = sglang_server_args(*flags)
     a2a = moe_utils.MoeA2ABackend(launched.moe_a2a_backend)
-    if inspect.signature(require_gathered_buffer).parameters:
+    args = (mr.server_args,) if inspect.signature(require_gathered_buffer).parameters else ()
+    if hasattr(moe_utils, "MOE_A2A_BACKEND"):
         monkeypatch.setattr(moe_utils, "MOE_A2A_BACKEND", a2a)
         monkeypatch.setattr(mr.server_args, "moe_dense_tp_size", launched.moe_dense_tp_size)
-        yield require_gathered_buffer(mr.server_args)
+        yield require_gathered_buffer(*args)
         return
     from sglang.srt import runtime_context
 
     monkeypatch.setattr(runtime_context.get_flags().moe, "a2a_backend", a2a)
-    with runtime_context.get_parallel().override(moe_dense_tp_size=launched.moe_dense_tp_size):
-        yield require_gathered_buffer()
+    parallel, context = runtime_context.get_parallel(), runtime_context.get_context()
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(parallel.override(moe_dense_tp_size=launched.moe_dense_tp_size))
+        except ValueError:  # 0.5.17: a published config leaf, not a live parallel value
+            stack.callback(context.override, "graphpool-test", moe_dense_tp_size=parallel.moe_dense_tp_size)
+            context.override("graphpool-test", moe_dense_tp_size=launched.moe_dense_tp_size)
+        yield require_gathered_buffer(*args)
 
 
 @pytest.mark.parametrize("flags", [["--moe-a2a-backend", "deepep"], ["--moe-dense-tp-size", "1"]])

@@ -295,7 +295,8 @@ def test_unsupported_server_is_refused_with_the_reasons():
     mr = H.HarnessModelRunner(cfg, torch.device("cpu"), speculative=False)
     mr.server_args.enable_two_batch_overlap = True
     mr.server_args.pp_size = 2
-    with pytest.raises(ValueError, match="two-batch overlap, pipeline parallelism"):
+    with pytest.raises(ValueError, match=r"two-batch overlap \(--enable-two-batch-overlap\), pipeline parallelism "
+                                         r"\(--pp-size 2\)"):
         MultiModeCudaGraphRunner(mr)
 
 

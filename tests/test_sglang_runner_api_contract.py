@@ -37,66 +37,7 @@ def _fresh_graph_memory_pool():
     H.forget_graph_memory_pool()
 
 
-def _world(*, graphs: bool = True, algorithm: str | None = None, forward=None):
-    """A prefilled harness server (EAGLE, batch sizes 1, 2, 4); ``forward`` wraps the model's forward."""
-    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4))
-    mr = R.RunnerApiModelRunner(cfg, CPU, speculative=True)
-    if algorithm is not None:
-        mr.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
-    if forward is not None:
-        mr.model.forward = forward(mr.model.forward)
-    if graphs:
-        mr.decode_cuda_graph_runner = MultiModeDecodeRunner(mr)
-    reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=11)
-    alloc = H.SlotAllocator(cfg.kv_slots)
-    H.prefill(mr, reqs, alloc)
-    return mr, reqs, alloc
-
-
-def _plain_step_inputs(mr, reqs, alloc, rows):
-    """What a spec-v2 plain step starts from: rows, KV lengths (slot reserved at seq_len), bonus tokens."""
-    idx = torch.tensor(rows, dtype=torch.int64)
-    lens = torch.tensor([reqs.kv_len(r) for r in rows], dtype=torch.int64)
-    mr.req_to_token_pool.req_to_token[idx, lens] = alloc.alloc(len(rows), CPU).to(torch.int32)
-    bonus = torch.tensor([reqs.tokens[r][-1] for r in rows], dtype=torch.int32)
-    return idx, lens, bonus
-
-
-def _real_sampling(mr, bs: int):
-    """SGLang's real ModelRunner.sample and Sampler on the harness runner; greedy sampling on the CPU."""
-    from sglang.srt.layers.sampler import Sampler
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    mr.sample = ModelRunner.sample.__get__(mr)
-    mr._preprocess_logits = ModelRunner._preprocess_logits.__get__(mr)
-    group = SimpleNamespace(device_group=None)
-    try:
-        with runtime_context.get_parallel().override(tp_group=group, attn_tp_group=group):
-            mr.sampler = Sampler()
-    except (ValueError, TypeError, AssertionError, RuntimeError):  # 0.5.14: its Sampler asks get_tp_group()
-        from unittest import mock
-
-        import sglang.srt.layers.sampler as sampler_module
-        with mock.patch.object(sampler_module, "get_tp_group", lambda: group, create=True):
-            mr.sampler = Sampler()
-    mr.sampling_observer = mr.watermark_state = None
-    mr.ngram_embedding_manager = SimpleNamespace(update_after_decode=lambda **kw: None)
-    mr.maybe_update_ngram_token_table = lambda *a, **kw: None
-    fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
-    kwargs = dict(temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
-                  min_ps=torch.zeros(bs), is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False,
-                  need_top_k_sampling=False, need_min_p_sampling=False, vocab_size=mr.cfg.vocab, device="cpu")
-    return SamplingBatchInfo(**{k: v for k, v in kwargs.items() if k in fields})
-
-
-def _spec_v2_batch(mr, idx, lens, bonus, draft_hidden=None, **fields):
-    return SimpleNamespace(spec_info=SimpleNamespace(bonus_tokens=bonus, hidden_states=draft_hidden), seq_lens=lens,
-                           seq_lens_cpu=lens.clone(), req_pool_indices=idx, sampling_info=_real_sampling(mr, len(idx)),
-                           return_logprob=False, **fields)
-
-
-def _worker(mr):
-    return SimpleNamespace(target_worker=SimpleNamespace(model_runner=mr), topk=1)
+_world, _plain_step_inputs, _spec_v2_batch, _worker = R.world, R.plain_step_inputs, R.spec_v2_batch, R.spec_v2_worker
 
 
 # ----------------------------------------------------------------------------------------- the runner
@@ -234,8 +175,8 @@ def test_an_eagle3_plain_step_carries_the_drafts_hidden_width():
     new = res.next_token_ids.tolist()
     step = SimpleNamespace(
         spec_info=res.next_draft_input, seq_lens=lens + 1, seq_lens_cpu=lens + 1, req_pool_indices=idx,
-        req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE,
-        reqs=[SimpleNamespace(origin_input_ids=reqs.tokens[r], output_ids=[t]) for r, t in zip(rows, new)])
+        req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE, sampling_info=batch.sampling_info,
+        reqs=[SimpleNamespace(origin_input_ids=reqs.tokens[r], output_ids=[t], req_pool_idx=r) for r, t in zip(rows, new)])
     worker.draft_worker = SimpleNamespace(_draft_extend_for_prefill=lambda view, target_hidden, tokens: SimpleNamespace(
         topk_p=torch.ones(len(view.extend_lens), 1), topk_index=torch.zeros(len(view.extend_lens), 1, dtype=torch.int64),
         hidden_states=torch.ones(len(view.extend_lens), hidden, dtype=mr.cfg.dtype)))
@@ -255,3 +196,19 @@ def test_a_standalone_plain_step_runs_on_a_decode_graph_and_keeps_no_hidden_stat
     lag = DraftLag(keep_hidden=None)  # as install_speculation_switch builds it
     res = v2.eagle_v2_plain_decode(_worker(mr), _spec_v2_batch(mr, idx, lens, bonus), lag)
     assert res.can_run_cuda_graph and lag.keep_hidden is False
+
+
+def test_replays_by_mode_and_eager_fallbacks_are_counted_for_the_server_log():
+    """A live run reads "every step on a graph, no eager fallback" from the server log: the runner counts its
+    replays by mode and each step it sends back to SGLang's eager path, once per step, by reason."""
+    from bench.live import logs
+
+    mr, reqs, alloc = _world()
+    runner = mr.decode_cuda_graph_runner
+    for rows in ([0, 1], [0, 1, 2]):
+        assert mr.forward(H.decode_batch(mr, reqs, rows, alloc)).can_run_graph
+    big = H.decode_batch(mr, reqs, [0, 1, 2, 3, 4], alloc)  # bs 5 > the largest captured, 4
+    assert runner.can_run_graph(big) is False
+    assert not mr.forward(big).can_run_graph  # _forward_raw asks again for the same batch: counted once
+    facts = logs.parse(runner.replay_log.line())
+    assert facts.replays == {"DECODE": 2} and facts.gp_fallbacks == "DECODE bs 5 > 4: 1"

@@ -236,7 +236,7 @@ def test_installed_switch_routes_steps_on_the_real_eagle_worker_v2(monkeypatch):
 
     calls = []
     monkeypatch.setattr(EAGLEWorkerV2, "forward_batch_generation", lambda self, batch, **kw: calls.append("sglang"))
-    monkeypatch.setattr(v2, "eagle_v2_plain_decode", lambda worker, batch, lag, on_publish: calls.append("plain"))
+    monkeypatch.setattr(v2, "eagle_v2_plain_decode", lambda worker, batch, lag, *_: calls.append("plain"))
     monkeypatch.setattr(v2, "eagle_v2_catch_up", lambda worker, batch, lag: calls.append("catch-up"))
     original = EAGLEWorkerV2.forward_batch_generation
     switch = v2.install_speculation_switch(16, 8)

@@ -1,7 +1,7 @@
 """A concurrent client for a live SGLang server started with ``--skip-tokenizer-init``: token ids in,
-token ids out, greedy, over ``POST /generate`` (standard library only: the GPU machine has no extra
-packages). Every request of a workload is a :class:`Request`; every answer a :class:`Answer`, checked
-against what was asked (:func:`check`)."""
+token ids out, greedy, over ``POST /generate`` (streamed, then aborted, for requests that ask for an abort;
+standard library only: the GPU machine has no extra packages). Every request of a workload is a
+:class:`Request`; every answer an :class:`Answer`, checked against what was asked (:func:`check`)."""
 from __future__ import annotations
 
 import json
@@ -15,20 +15,25 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 @dataclass(frozen=True)
 class Request:
-    """One ``/generate`` request: a stable id (the same request across servers), its prompt and sampling."""
+    """One ``/generate`` request: a stable id (the same request across servers), its prompt and sampling.
+    ``abort_after`` > 0: streamed, and aborted (``POST /abort_request``) once that many tokens came back."""
 
     rid: str
     input_ids: Tuple[int, ...]
     max_new_tokens: int
     ignore_eos: bool = True
     stop_token_ids: Tuple[int, ...] = ()
+    abort_after: int = 0
 
     def body(self) -> Dict[str, Any]:
         params: Dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": 0,
                                   "ignore_eos": self.ignore_eos}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
-        return {"input_ids": list(self.input_ids), "sampling_params": params}
+        body: Dict[str, Any] = {"input_ids": list(self.input_ids), "sampling_params": params}
+        if self.abort_after:  # the server's id of the request, for the abort
+            body.update(rid=self.rid, stream=True)
+        return body
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Answer:
 
 def post_generate(url: str, request: Request, timeout: float) -> Answer:
     """Send one request and parse SGLang's answer; never raises (errors land in ``Answer.error``)."""
+    if request.abort_after:
+        return _post_and_abort(url, request, timeout)
     data = json.dumps(request.body()).encode()
     req = urllib.request.Request(url + "/generate", data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -76,6 +83,50 @@ def post_generate(url: str, request: Request, timeout: float) -> Answer:
                       spec_num_correct_drafts=meta.get("spec_num_correct_drafts"))
     except (ValueError, AttributeError) as e:
         return Answer(request.rid, status, seconds, error=f"unparsed ({e}): {text[:200]}")
+
+
+def _post_and_abort(url: str, request: Request, timeout: float) -> Answer:
+    """Stream ``request``; once ``abort_after`` tokens came back, ask the server to abort it and read the stream
+    to its end (SGLang then closes it with ``finish_reason`` ``abort``)."""
+    req = urllib.request.Request(url + "/generate", data=json.dumps(request.body()).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, last, ids, aborted = time.perf_counter(), None, [], False
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status = resp.status
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                last = json.loads(line[5:])
+                if "error" in last:
+                    return Answer(request.rid, status, time.perf_counter() - t0, error=str(last["error"])[:300])
+                ids = _stream_ids(ids, last)
+                if not aborted and len(ids) >= request.abort_after:
+                    aborted = True
+                    abort = urllib.request.Request(url + "/abort_request",
+                                                   data=json.dumps({"rid": request.rid}).encode(),
+                                                   headers={"Content-Type": "application/json"})
+                    urllib.request.urlopen(abort, timeout=10).read()
+    except urllib.error.HTTPError as e:
+        return Answer(request.rid, e.code, time.perf_counter() - t0, error=e.read().decode(errors="replace")[:300])
+    except Exception as e:  # connection refused / reset: the server died
+        return Answer(request.rid, 0, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
+    if last is None:
+        return Answer(request.rid, status, time.perf_counter() - t0, error="empty stream")
+    meta = last.get("meta_info", {})
+    return Answer(request.rid, status, time.perf_counter() - t0, output_ids=ids,
+                  finish_reason=meta.get("finish_reason"), completion_tokens=meta.get("completion_tokens", len(ids)),
+                  e2e_latency=meta.get("e2e_latency"), spec_verify_ct=meta.get("spec_verify_ct"),
+                  spec_num_correct_drafts=meta.get("spec_num_correct_drafts"))
+
+
+def _stream_ids(ids: List[int], chunk: Dict[str, Any]) -> List[int]:
+    """The output so far after a streamed chunk: SGLang sends all ids so far (its default), or only the new
+    ones (``--incremental-streaming-output``); the chunk's ``completion_tokens`` tells which."""
+    new = list(chunk.get("output_ids") or [])
+    done = chunk.get("meta_info", {}).get("completion_tokens")
+    return new if done is None or len(new) == done else ids + new
 
 
 def wait_healthy(url: str, alive: Any, timeout: float) -> Optional[float]:
@@ -128,6 +179,11 @@ def check(request: Request, answer: Answer) -> str:
     n, reason = len(answer.output_ids), (answer.finish_reason or {}).get("type")
     if n != answer.completion_tokens:
         return f"{n} output ids but completion_tokens {answer.completion_tokens}"
+    if request.abort_after:  # aborted once it had streamed that many, unless it had finished first
+        if reason == "abort" and request.abort_after <= n < request.max_new_tokens:
+            return ""
+        return "" if reason == "length" and n == request.max_new_tokens else (
+            f"asked to abort after {request.abort_after} tokens; got {n}, finish reason {answer.finish_reason}")
     if reason == "length":
         return "" if n == request.max_new_tokens else f"length finish after {n} of {request.max_new_tokens} tokens"
     if reason == "stop" and not request.ignore_eos:

@@ -1,7 +1,7 @@
 """What a live server's log says: graph capture (SGLang's lines and the probe's), graphpool's replays by
 mode and switch flips, SGLang's decode-batch lines (eager fallbacks show as ``cuda graph: False``), and
-the crash that SGLang's own runner hits on a plain step. Formats are SGLang 0.5.12.post1's and
-graphpool's own log lines."""
+the crash that SGLang's own runner hits on a plain step. Formats are SGLang 0.5.12.post1's (and 0.5.14+'s capture
+lines), the probes' (bench/live/probe, probe_v2) and graphpool's own log lines."""
 from __future__ import annotations
 
 import re
@@ -12,6 +12,13 @@ _CAPTURE = re.compile(r"Capture (cuda graph|draft cuda graph|draft extend cuda g
                       r"([\d.]+) s\. mem usage=([\d.]+) GB")
 _PROBE = re.compile(r"graph-probe: (target|draft) (\w+) captured in ([\d.]+) s: torch reserved \+(-?[\d.]+) MiB, "
                     r"device \+(-?[\d.]+) MiB")
+# The runner-API probe (bench/live/probe_v2): graph-building calls, and decode steps' GPU spans.
+_PROBE_V2 = re.compile(r"graph-probe: (target|draft|spec) init_cuda_graphs (\w+) in ([\d.]+) s: torch reserved "
+                       r"\+(-?[\d.]+) MiB, device \+(-?[\d.]+) MiB")
+_STEP_GPU = re.compile(r"graph-probe: step gpu us: (.*)$")
+_STEP_PART = re.compile(r"bs=(\d+) tok=(\d+) median ([\d.]+) p90 ([\d.]+) n=(\d+)")
+# SGLang 0.5.14+'s own capture lines ("Capture decode CUDA graph end. elapsed=2.10 s, mem usage=0.20 GB, ...").
+_CAPTURE_V2 = re.compile(r"Capture (\w+(?: \w+)?) CUDA graph end\. elapsed=([\d.]+) s, mem usage=(-?[\d.]+) GB")
 _REPLAY_HOST = re.compile(r"graph-probe: (target|draft) (\w+) replay host us: median ([\d.]+) p90 ([\d.]+) "
                           r"over (\d+) calls")
 _GP_CAPTURED = re.compile(r"graphpool captured (\d+) graphs for \[([^\]]*)\] at batch sizes \[([^\]]*)\]")
@@ -34,6 +41,8 @@ class LogFacts:
     capture: Dict[str, List[Dict[str, float]]] = field(default_factory=dict)  # kind -> [{seconds, gb}]
     probe: List[Dict[str, Any]] = field(default_factory=list)
     replay_host_us: List[float] = field(default_factory=list)  # the probe's median per window, target runner
+    #: runner-API probe: "bs=32 tok=1" -> [(median us, steps) per logged window] of decode steps' GPU spans
+    step_gpu_us: Dict[str, List[List[float]]] = field(default_factory=dict)
     gp_graphs: Optional[int] = None
     gp_modes: List[str] = field(default_factory=list)
     gp_batch_sizes: List[int] = field(default_factory=list)
@@ -57,6 +66,22 @@ class LogFacts:
     def target_probe(self) -> Optional[Dict[str, Any]]:
         return next((p for p in self.probe if p["role"] == "target"), None)
 
+    def graph_totals(self) -> Optional[Dict[str, float]]:
+        """The runner-API probe's graph-building calls summed (target, draft, spec worker): MiB reserved, s."""
+        rows = [p for p in self.probe if p["role"] in ("target", "draft", "spec")]
+        if not rows:
+            return None
+        return {"reserved_mib": sum(p["reserved_mib"] for p in rows), "device_mib": sum(p["device_mib"] for p in rows),
+                "seconds": sum(p["seconds"] for p in rows)}
+
+    def step_gpu(self, key: str) -> Optional[float]:
+        """Median GPU span (us) of decode steps of ``key`` (``"bs=32 tok=1"``), steps-weighted over windows."""
+        rows = self.step_gpu_us.get(key)
+        if not rows:
+            return None
+        values = sorted(v for v, n in rows for _ in range(int(n)))
+        return values[len(values) // 2]
+
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -70,6 +95,14 @@ def parse(text: str) -> LogFacts:
         elif m := _PROBE.search(line):
             facts.probe.append({"role": m[1], "runner": m[2], "seconds": float(m[3]),
                                 "reserved_mib": float(m[4]), "device_mib": float(m[5])})
+        elif m := _PROBE_V2.search(line):
+            facts.probe.append({"role": m[1], "runner": m[2], "seconds": float(m[3]),
+                                "reserved_mib": float(m[4]), "device_mib": float(m[5])})
+        elif m := _STEP_GPU.search(line):
+            for part in _STEP_PART.finditer(m[1]):
+                facts.step_gpu_us.setdefault(f"bs={part[1]} tok={part[2]}", []).append([float(part[3]), int(part[5])])
+        elif m := _CAPTURE_V2.search(line):
+            facts.capture.setdefault(m[1].lower(), []).append({"seconds": float(m[2]), "gb": float(m[3])})
         elif m := _REPLAY_HOST.search(line):
             if m[1] == "target":
                 facts.replay_host_us.append(float(m[3]))

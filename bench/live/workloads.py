@@ -3,7 +3,8 @@
 * ``warmup``: a few short requests, so first-use compilation does not land in a measurement;
 * ``speed``: fixed-length requests (``ignore_eos``) at concurrency 1, 8 and 32;
 * ``ramp``: concurrency 1 -> 32 -> 1 in phases, max_new_tokens 16..256 staggered so every phase's batch
-  shrinks one request at a time; every fifth request may end at a stop token instead (``ignore_eos`` off);
+  shrinks one request at a time; every fifth request may end at a stop token instead (``ignore_eos`` off), and
+  with ``abort_every`` some are aborted mid-stream;
 * ``burst``: one wave above the switch's threshold, the requests that crash SGLang's own runner.
 """
 from __future__ import annotations
@@ -36,8 +37,10 @@ def speed(concurrency: int, max_new: int = 128, waves: int = 2, minimum: int = 4
     return [Request(f"speed{concurrency}-{i}", prompt(f"speed{concurrency}-{i}"), max_new) for i in range(n)]
 
 
-def ramp(scale: float = 1.0) -> List[Tuple[int, List[Request]]]:
-    """The ramp's phases as (concurrency, requests); ``scale`` < 1 shortens it (dry runs)."""
+def ramp(scale: float = 1.0, abort_every: int = 0, abort_after: int = 8) -> List[Tuple[int, List[Request]]]:
+    """The ramp's phases as (concurrency, requests); ``scale`` < 1 shortens it (dry runs). ``abort_every`` > 0:
+    every such request (none of the stop-token ones) of at least twice ``abort_after`` tokens is streamed and
+    aborted after ``abort_after`` tokens (half its length if shorter)."""
     phases, k = [], 0
     for concurrency, count in RAMP_PHASES:
         reqs = []
@@ -50,6 +53,8 @@ def ramp(scale: float = 1.0) -> List[Tuple[int, List[Request]]]:
             if k % 5 == 4:
                 stops = tuple(random.Random(rid + "stop").randrange(3, 1000) for _ in range(3))
                 reqs.append(Request(rid, prompt(rid), max_new, ignore_eos=False, stop_token_ids=stops))
+            elif abort_every and k % abort_every == abort_every - 1 and max_new >= 2 * min(abort_after, 8):
+                reqs.append(Request(rid, prompt(rid), max_new, abort_after=min(abort_after, max_new // 2)))
             else:
                 reqs.append(Request(rid, prompt(rid), max_new))
             k += 1

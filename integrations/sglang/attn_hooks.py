@@ -52,10 +52,19 @@ def needs_metadata(forward_batch: ForwardBatch) -> bool:
     return True if needs is None else bool(needs())
 
 
+#: Per-batch fields SGLang's ``build_replay_fb_view`` hands the backend unchanged from the batch (0.5.17 to
+#: 0.5.23; absent ones are None): the unified pool's virtual ids and their plan, DeepSeek-V4's write
+#: locations, the host maximum length and its override.
+_PASSED_THROUGH = ("max_seq_len_host", "max_seq_len_override", "kv_loc_plan", "kv_loc_cols", "out_cache_loc_virtual",
+                   "origin_out_cache_loc", "out_cache_loc_dsv4")
+
+
 def replay_view(forward_batch: ForwardBatch, step: Step, seq_lens_cpu: Any, seq_len_fill_value: int) -> Any:
-    """What the attention backend plans a replay from (``init_forward_metadata_out_graph``): the padded
-    static views, the batch's own mode (a DECODE step passes ``spec_info=None``: to FlashInfer/FA3 a DECODE
-    step with one is a draft decode). ``seq_lens_cpu`` is the runner's padded CPU copy."""
+    """What the attention backend plans a replay from (``init_forward_metadata_out_graph``), as SGLang's
+    ``build_replay_fb_view`` builds it: the padded static views, the batch's own mode (a DECODE step passes
+    ``spec_info=None``: to FlashInfer/FA3 a DECODE step with one is a draft decode), the per-batch fields
+    :data:`_PASSED_THROUGH`. ``seq_lens_cpu`` is the runner's padded CPU copy. What graphpool refuses to serve
+    stays empty: mamba track indices (the mamba extra buffer), LoRA ids, DP attention's token counts."""
     mode, bs, raw_bs, views = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size, step.batch.inputs
     seq_lens_sum = forward_batch.seq_lens_sum
     return SimpleNamespace(
@@ -65,7 +74,6 @@ def replay_view(forward_batch: ForwardBatch, step: Step, seq_lens_cpu: Any, seq_
         seq_lens_sum=None if seq_lens_sum is None else seq_lens_sum + (bs - raw_bs) * seq_len_fill_value,
         num_padding=bs - raw_bs, encoder_lens=None, out_cache_loc=views["out_cache_loc"],
         spec_info=forward_batch.spec_info if mode == ForwardMode.TARGET_VERIFY else None,
-        max_seq_len_host=getattr(forward_batch, "max_seq_len_host", None),
-        kv_loc_plan=getattr(forward_batch, "kv_loc_plan", None), lora_ids=None,
-        global_num_tokens_cpu=None, dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(),
-        can_run_decode_cuda_graph=True)
+        **{name: getattr(forward_batch, name, None) for name in _PASSED_THROUGH},
+        mamba_track_indices=None, lora_ids=None, global_num_tokens_cpu=None,
+        dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), can_run_decode_cuda_graph=True)

@@ -15,12 +15,18 @@ held by row views). A request that decoded more plain tokens than that catches u
 positions of that plain phase is left as it was (stale, finite values of the slot's previous use), which
 costs that request draft acceptance, never correctness: the target verifies every token. The catch-up's
 extend is bounded the same way, at ``max_steps`` tokens per request.
+
+Positions may come as host integers (EAGLE v1; spec v2 where the scheduler keeps ``seq_lens_cpu``) or as the
+device tensor of a step's KV lengths (spec v2 under the overlap scheduler, whose ``seq_lens_cpu`` is ``None``
+for attention backends that need no host lengths: FA3, Triton, trtllm_mha). A device tensor is never read on
+the step path (a read would wait for the GPU and end the overlap): a request's first lagging position stays
+on the device and each later plain step adds one, so the lag is read once, when :meth:`take` needs it.
 """
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Deque, Dict, Hashable, Iterable, List, NamedTuple, Optional
+from typing import Any, Deque, Dict, Hashable, Iterable, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -44,11 +50,16 @@ class LagChunk(NamedTuple):
 
 
 class _Lag:
-    __slots__ = ("first", "end", "hidden")
+    __slots__ = ("first", "steps", "hidden")
 
-    def __init__(self, first: int, max_steps: int):
-        self.first, self.end = first, first
+    def __init__(self, first: Any, max_steps: int):
+        self.first = first  # an int, or (a device tensor of KV lengths, row) still to be read
+        self.steps = 0      # plain steps recorded since ``first``
         self.hidden: Deque[torch.Tensor] = collections.deque(maxlen=max_steps)
+
+    def known_end(self) -> Optional[int]:
+        """One past the last lagging position, where ``first`` is known on the host (else None)."""
+        return self.first + self.steps if isinstance(self.first, int) else None
 
 
 class DraftLag:
@@ -83,9 +94,11 @@ class DraftLag:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._lags
 
-    def record(self, keys: List[Hashable], kv_lens: Iterable[int], hidden: Optional[torch.Tensor] = None) -> None:
+    def record(self, keys: List[Hashable], kv_lens: Union[Iterable[int], torch.Tensor],
+               hidden: Optional[torch.Tensor] = None) -> None:
         """A plain step wrote the target's KV at position ``kv_lens[i]`` of request ``keys[i]``, not the draft's.
 
+        ``kv_lens``: host integers, or a tensor (on any device; copied, never read here: module docstring).
         ``hidden``: that step's target hidden states, one row per key (copied here, once per call).
 
         Raises:
@@ -100,34 +113,51 @@ class DraftLag:
                 raise ValueError(f"DraftLag.record: {len(keys)} requests but hidden states of "
                                  f"{hidden.shape[0]} rows; pass one row per request")
             hidden = hidden.detach().clone()  # the runner's output buffer is rewritten by its next replay
-        for i, (key, at) in enumerate(zip(keys, kv_lens)):
-            at = int(at)
+        on_device = isinstance(kv_lens, torch.Tensor)
+        if on_device:
+            if kv_lens.shape[0] != len(keys):
+                raise ValueError(f"DraftLag.record: {len(keys)} requests but kv_lens of {kv_lens.shape[0]} rows; "
+                                 f"pass one row per request")
+            kv_lens = kv_lens.detach().clone()  # the scheduler may write its seq_lens in place later
+        for i, key in enumerate(keys):
+            at = (kv_lens, i) if on_device else int(kv_lens[i])
             lag = self._lags.get(key)
-            if lag is not None and lag.end != at:
+            end = None if lag is None else lag.known_end()
+            if lag is not None and not on_device and end is not None and end != at:
                 # Not the position after its last plain step: the row was reused or the request was
                 # re-prefilled unseen. Restart the lag here (older draft KV stays as it is).
                 self.restarts += 1
                 log.warning("graphpool draft lag: request %s plain step at %d, expected %d; restarting its lag",
-                            getattr(key, "rid", key), at, lag.end)
+                            getattr(key, "rid", key), at, end)
                 lag = None
             if lag is None:
                 lag = self._lags[key] = _Lag(at, self.max_steps)
-            lag.end = at + 1
+            lag.steps += 1
             if self.keep_hidden:
                 lag.hidden.append(hidden[i])
 
     def take(self, keys: Iterable[Hashable]) -> Dict[Hashable, LagChunk]:
-        """``key -> LagChunk`` for the lagging ``keys``, in their order; forgets them (one catch-up each)."""
+        """``key -> LagChunk`` for the lagging ``keys``, in their order; forgets them (one catch-up each).
+        Positions recorded on the device are read here, once per recorded step tensor."""
         out: Dict[Hashable, LagChunk] = {}
+        read: Dict[int, List[int]] = {}  # id(tensor) -> its values
         for key in keys:
             lag = self._lags.pop(key, None)
             if lag is None:
                 continue
-            start = max(lag.first, lag.end - self.max_steps)
+            first = lag.first
+            if not isinstance(first, int):
+                tensor, row = first
+                values = read.get(id(tensor))
+                if values is None:
+                    values = read[id(tensor)] = [int(v) for v in tensor.tolist()]
+                first = values[row]
+            end = first + lag.steps
+            start = max(first, end - self.max_steps)
             hidden = torch.stack(list(lag.hidden)) if self.keep_hidden and lag.hidden else None
-            out[key] = LagChunk(start, hidden, lag.end, start - lag.first)
-            self.windowed += start > lag.first
-            self.caught_up_tokens += lag.end - start
+            out[key] = LagChunk(start, hidden, end, start - first)
+            self.windowed += start > first
+            self.caught_up_tokens += end - start
         if out:
             self.catch_ups += 1
             self.caught_up_requests += len(out)

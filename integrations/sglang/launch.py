@@ -128,21 +128,29 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
 
 
 def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
-    """Refuse a speculation switch that SGLang's configuration would never reach."""
+    """Refuse a speculation switch that SGLang's configuration would never reach. Reads the settings as SGLang
+    resolved them (:func:`~.support.resolved_arg`): :func:`main` resolves ``server_args`` first (0.5.23)."""
+    from .support import resolved_arg, server_args_refusals, switch_refusals
+
+    switch = "--graphpool-spec-off-above" if options.spec_off_above is not None else (
+        "--speculative-adaptive with graphpool (its step 0 as plain steps)" if options.adaptive_step0 else None)
+    if switch is None:
+        return
+    # The adaptive step-0 routing drives the same spec-v2 worker as the switch: the same workers refuse it.
+    refused = switch_refusals(server_args)
+    if refused:
+        raise SystemExit(f"{switch} drives SGLang's EAGLEWorkerV2, which this server does not run: "
+                         f"{', '.join(f'{flag} ({what})' for flag, what in refused)}; drop those or {switch}")
     if options.spec_off_above is None:
         return
-    algorithm = (server_args.speculative_algorithm or "").upper()
+    algorithm = str(resolved_arg(server_args, "speculative_algorithm") or "").upper()
     if algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):  # SGLang's EAGLE v1 worker and its STANDALONE subclass
         raise SystemExit(f"--graphpool-spec-off-above switches EAGLE speculation, but --speculative-algorithm is "
-                         f"{server_args.speculative_algorithm!r}; pass --speculative-algorithm EAGLE, EAGLE3 or "
-                         f"STANDALONE")
-    if getattr(server_args, "enable_dp_attention", False):
-        raise SystemExit("--graphpool-spec-off-above does not support DP attention (the plain step runs on one "
-                         "attention group); drop --enable-dp-attention")
-    from .support import server_args_refusals
-
-    # Where graphpool's runner does not serve the server, install() gives it SGLang's, whose verify-only
-    # graphs crash on the first plain step: refuse here what the arguments alone tell.
+                         f"{server_args.speculative_algorithm!r} (resolved: {algorithm or None!r}); pass "
+                         f"--speculative-algorithm EAGLE, EAGLE3 or STANDALONE")
+    # Where graphpool's runner does not serve the server, install() gives it SGLang's, whose verify-only graphs
+    # crash on the first plain step: refuse here what the arguments alone tell (DP attention included: the
+    # plain step runs on one attention group).
     refused = server_args_refusals(server_args)
     if refused:
         raise SystemExit(f"--graphpool-spec-off-above needs graphpool's runner for its plain decode steps, which "
@@ -189,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from sglang.srt.utils import kill_process_tree
 
         from . import versions
+        from .support import resolved_arg
 
         versions.runner_api()  # an SGLang graphpool does not know is refused here, before anything starts
     except ImportError as exc:
@@ -205,9 +214,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if load_plugins is not None:
         load_plugins()
     server_args = prepare_server_args(rest)
-    check_server_args(options, server_args)
-    if getattr(server_args, "speculative_adaptive", False):  # runner API: its step 0 on DECODE graphs
+    # SGLang 0.5.23 resolves the arguments when the server starts (resolve_once, idempotent): resolve them
+    # now, so that the checks below read what the server will run (a model can turn multi-layer EAGLE on).
+    getattr(server_args, "resolve_once", lambda: None)()
+    if resolved_arg(server_args, "speculative_adaptive", False):  # runner API: its step 0 on DECODE graphs
         options = dataclasses.replace(options, adaptive_step0=True)
+    check_server_args(options, server_args)
     options.apply()  # this process too, for an in-process engine
     try:
         launch_server(server_args, run_scheduler_process_func=SchedulerEntry(options))

@@ -20,6 +20,8 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -34,9 +36,12 @@ from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
 from . import attn_hooks, common
-from .runner_api_support import (decode_batch_sizes, disable_padding, refusal_reasons, server_hidden_mode,
-                                 spec_settings)
+from .replay_log import ReplayLog
+from .runner_api_support import (decode_batch_sizes, disable_padding, publish_read_done, read_done_point,
+                                 refusal_reasons, server_hidden_mode, spec_settings)
 
+
+log = logging.getLogger(__name__)
 
 # Per-token tensor fields of the model's output a replay returns sliced; every other field of the captured
 # output is kept as captured, as SGLang's execute keeps "extension fields" (``dataclasses.replace``).
@@ -106,8 +111,17 @@ class MultiModeDecodeRunner:
         self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
                                       * self.captured_req_width, dtype=torch.bool, device=self.device)
         self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
+        self.logits_buffer = shared_logits_buffer(model_runner, self.max_num_token)
+        if self.logits_buffer is None:
+            self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
+        #: SGLang's graph backend slot: elastic EP's recapture calls ``backend.cleanup()`` before rebuilding.
+        self.backend = _PoolBackend(self)
 
+        #: Eager fallbacks by reason (``can_run_graph`` refusals of a mode with graphs), and replays by mode,
+        #: both in one periodic log line.
+        self.refusals: Dict[str, int] = {}
+        self.replay_log = ReplayLog(self.refusals)
+        self._last_refused: Optional[weakref.ref] = None
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
         self._captured_outputs: Dict[common.GraphId, LogitsProcessorOutput] = {}  # non-tensor fields, as captured
@@ -200,17 +214,42 @@ class MultiModeDecodeRunner:
 
     # ----------------------------------------------------------------------------------- steps
     def can_run_graph(self, forward_batch: ForwardBatch) -> bool:
-        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode."""
+        """Whether a graph serves this batch: its forward mode, size, token count and hidden mode. A ``False``
+        makes SGLang run the step eagerly; each is counted by reason (:attr:`refusals`, in the periodic
+        ``graphpool replays by mode: ...; eager fallbacks: ...`` log line)."""
+        reason = self._refusal(forward_batch)
+        if reason is None:
+            return True
+        if forward_batch.forward_mode in self.tokens_per_mode:  # a step of a mode with graphs ran eagerly
+            # Spec v2 may ask twice for one step (on the plan stream, then in _forward_raw): count it once.
+            last = self._last_refused
+            if last is None or last() is not forward_batch:
+                self._last_refused = weakref.ref(forward_batch)  # weak: a refused batch's tensors are not kept
+                self.refusals[reason] = self.refusals.get(reason, 0) + 1
+                if self.refusals[reason] == 1:
+                    log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
+                                forward_batch.forward_mode.name, reason)
+        return False
+
+    def _refusal(self, forward_batch: ForwardBatch) -> Optional[str]:
+        """Why no graph serves ``forward_batch`` (None: one does)."""
         mode, bs = forward_batch.forward_mode, forward_batch.batch_size
         tokens = self.tokens_per_mode.get(mode)
-        if tokens is None or forward_batch.replace_embeds is not None or bs < 1:
-            return False
-        if not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
-            return False
+        name = getattr(mode, "name", mode)
+        if tokens is None:
+            return f"no {name} graphs"
+        if forward_batch.replace_embeds is not None:
+            return f"{name} with replaced embeddings"
+        if bs < 1 or not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
+            return f"{name} bs {bs} not captured" if self.disable_padding else f"{name} bs {bs} > {self.max_bs}"
         # The check a single-mode runner lacks: a step carries exactly bs x tokens_per_seq tokens of its mode.
         if forward_batch.input_ids is None or forward_batch.input_ids.shape[0] != bs * tokens:
-            return False
-        return common.hidden_mode_served(common.requested_hidden_mode(forward_batch), self.capture_hidden_modes[mode])
+            got = None if forward_batch.input_ids is None else forward_batch.input_ids.shape[0]
+            return f"{name} with {got} tokens for {bs} x {tokens}"
+        requested = common.requested_hidden_mode(forward_batch)
+        if not common.hidden_mode_served(requested, self.capture_hidden_modes[mode]):
+            return f"{name} asking hidden states {requested.name}"
+        return None
 
     def load_batch(self, forward_batch: ForwardBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None) -> None:
         """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
@@ -238,7 +277,13 @@ class MultiModeDecodeRunner:
         the real tokens."""
         self.load_batch(forward_batch, pp_proxy_tensors)
         step = self._step
+        read_done = read_done_point(self.attn_backend, forward_batch.forward_mode)
+        if read_done == "pre":
+            publish_read_done(self.model_runner)
         out = self.pool.replay(step)
+        if read_done == "post":
+            publish_read_done(self.model_runner)
+        self.replay_log.count(forward_batch.forward_mode)
         return dataclasses.replace(self._captured_outputs[(forward_batch.forward_mode, step.batch.bs)], **out)
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
@@ -251,3 +296,32 @@ class MultiModeDecodeRunner:
         """The verify input the primary mode's graphs are captured with (SGLang's method name)."""
         return self._capture_spec_info(num_tokens) if self.speculative else None
 
+
+
+def shared_logits_buffer(model_runner: Any, rows: int) -> Optional[torch.Tensor]:
+    """SGLang's process-wide graph logits buffer (``model_runner.graph_shared_output``, 0.5.17+), ``rows``
+    long, which every one of SGLang's graph runners of a vocabulary writes into (its adaptive speculation's
+    runners too); ``None`` where this SGLang has none or it is shorter than ``rows``."""
+    shared = getattr(model_runner, "graph_shared_output", None)
+    vocab = getattr(getattr(model_runner, "model_config", None), "vocab_size", None)
+    if shared is None or not vocab or rows > getattr(shared, "max_rows", 0):
+        return None
+    return shared.get_logits_buffer(vocab, rows=rows)
+
+
+class _PoolBackend:
+    """What SGLang asks of a decode runner's ``backend`` outside the runner: ``cleanup()`` (elastic EP drops
+    the graphs before it recaptures)."""
+
+    def __init__(self, runner: MultiModeDecodeRunner):
+        self._runner = runner
+
+    def cleanup(self) -> None:
+        """Release every graph and the pool's buffers; the runner serves no more steps (SGLang builds a new one)."""
+        runner = self._runner
+        runner.pool.close()
+        runner.graphs.clear()
+        runner.output_buffers.clear()
+        runner._captured_outputs.clear()
+        runner._capture_batches.clear()
+        runner._step = None

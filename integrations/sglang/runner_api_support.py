@@ -125,3 +125,61 @@ def decode_batch_sizes(model_runner: Any, tokens_per_req: int) -> List[int]:
     if not capture_bs:
         raise ValueError("SGLang chose no decode batch sizes to capture; pass --cuda-graph-bs 1 2 4 8 ...")
     return sorted(int(bs) for bs in capture_bs)
+
+
+def rejection_sampling(model_runner: Any) -> bool:
+    """``--speculative-use-rejection-sampling``: draft inputs then carry ``draft_probs`` between steps."""
+    return bool(_setting(model_runner, "spec", ("speculative_use_rejection_sampling",), False))
+
+
+# ----------------------------------------------------------------------------------- the read-done event
+# The overlap scheduler's write-after-read barrier: after launching a step it fences its next writes into the
+# buffers the step reads (req_to_token, the KV pool's free slots) behind an event the step's last such reader
+# published; without one it waits for the whole forward, and scheduling no longer overlaps the GPU.
+#: The model runner's attribute holding that event: 0.5.23's name, then 0.5.14 to 0.5.17's.
+_READ_DONE_ATTRS = ("shared_read_done_event", "war_fastpath_read_done_event")
+#: The worker's property naming the runner whose event the scheduler reads, in the same order.
+_LAST_READER_ATTRS = ("last_shared_read_runner", "war_fastpath_runner")
+
+
+def read_done_point(attn_backend: Any, forward_mode: Any) -> Optional[str]:
+    """Where a graph step's reads of scheduler-shared buffers end, as SGLang's own runner publishes them:
+    ``"pre"`` (planned in ``load_batch``, before the replay), ``"post"`` (after the replay), or ``None`` (SGLang
+    publishes nothing for this step). 0.5.23 asks the attention backend (``shared_read_ends``; its in-graph
+    marker is SGLang's own, so graphpool publishes after the replay there); 0.5.14 to 0.5.17 publish before
+    the replay of a DECODE graph."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    declared = getattr(attn_backend, "shared_read_ends", None)
+    if callable(declared):
+        return {"PRE_REPLAY": "pre", "IN_REPLAY": "post", "POST_REPLAY": "post"}.get(
+            getattr(declared(forward_mode), "name", None))
+    return "pre" if forward_mode == ForwardMode.DECODE else None
+
+
+def publish_read_done(model_runner: Any) -> None:
+    """Record the read-done event on the current stream and hand it to ``model_runner`` (where this SGLang
+    has the barrier at all)."""
+    import torch
+
+    for name in _READ_DONE_ATTRS:
+        if hasattr(model_runner, name):
+            event = torch.get_device_module(model_runner.device).Event()
+            event.record()
+            setattr(model_runner, name, event)
+            return
+
+
+def hand_over_read_done(worker: Any, target: Any) -> None:
+    """A plain step's last shared-buffer reader is the target's DECODE replay, but the scheduler reads the event
+    of the worker's last reader of a speculative step (EAGLE: the draft runner, whose draft extend a plain step
+    skips): move the target's event there. With none published (an eager step) the scheduler's wait stays
+    coarse, which is always safe."""
+    for name, last in zip(_READ_DONE_ATTRS, _LAST_READER_ATTRS):
+        if not hasattr(target, name):
+            continue
+        reader = getattr(worker, last, None)
+        if reader is not None and reader is not target and hasattr(reader, name):
+            setattr(reader, name, getattr(target, name))
+            setattr(target, name, None)
+        return

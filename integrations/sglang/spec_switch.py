@@ -231,7 +231,8 @@ def _correct_drafts(result: Any) -> Optional[int]:
 
 def _log_flip(worker: Any, speculate: bool, batch_size: int, switch: SpeculationSwitch) -> None:
     """One log line per switch, with the target runner's replays by mode when it is graphpool's."""
-    runner = getattr(getattr(worker.target_worker, "model_runner", None), "graph_runner", None)
+    target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
+    runner = getattr(target, "decode_cuda_graph_runner", None) or getattr(target, "graph_runner", None)  # 0.5.14+
     replays = getattr(runner, "replay_log", None)
     # the size threshold turned speculation on while the acceptance gate's pause holds it off
     gated = not speculate and switch.gate is not None and switch.policy.speculating

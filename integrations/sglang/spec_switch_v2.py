@@ -17,6 +17,13 @@ what the CPU harness drives; :func:`install_speculation_switch` wires it into ``
 
 Spec v2 reserves KV slots ahead (``eagle_prepare_for_decode`` over-allocates for the next verify), so a
 plain step allocates nothing: its one slot per request is already in ``req_to_token`` at ``seq_len``.
+
+Under the overlap scheduler (SGLang's default) nothing here waits for the GPU on a plain step: with attention
+backends that need no host lengths (FA3, Triton, trtllm_mha) the scheduler passes ``seq_lens_cpu = None``, and
+the plain step plans from the device lengths, keys requests by their host ``req_pool_idx``, and leaves the
+lag's positions on the device (:class:`DraftLag`); the target's read-done event goes to the runner the
+scheduler's barrier reads. A structured-output request's grammar first takes the previous step's tokens (the
+scheduler's grammar barrier, 0.5.17+), as SGLang's own verify does before it builds a mask.
 """
 from __future__ import annotations
 
@@ -24,24 +31,25 @@ import dataclasses
 import functools
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .draft_lag import DraftLag
-from .spec_switch import SpeculationSwitch
+from .runner_api_support import hand_over_read_done, rejection_sampling
+from .spec_switch import SpeculationSwitch, _log_flip
 from .patch import plain_step_refusal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SpeculationSwitch", "DraftLag", "plain_decode_batch", "install_speculation_switch",
+__all__ = ["SpeculationSwitch", "DraftLag", "plain_decode_batch", "catch_up_view", "install_speculation_switch",
            "uninstall_speculation_switch"]
 
 
 def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                       seq_lens_cpu: torch.Tensor, bonus_tokens: torch.Tensor) -> ForwardBatch:
+                       seq_lens_cpu: Optional[torch.Tensor], bonus_tokens: torch.Tensor) -> ForwardBatch:
     """The DECODE ForwardBatch of a spec-v2 plain step.
 
     Args:
@@ -49,6 +57,9 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
         req_pool_indices: each request's row in ``req_to_token``.
         seq_lens, seq_lens_cpu: tokens each request has in the KV cache *before* this step; the bonus
             token (the last one verified or decoded) is not among them: it is this step's input.
+            ``seq_lens_cpu`` is ``None`` under the overlap scheduler with an attention backend that needs no
+            host lengths; the batch then carries none either (``seq_lens_cpu``, ``seq_lens_sum`` ``None``, as
+            SGLang's own batches then do).
         bonus_tokens: that token per request.
 
     Returns:
@@ -58,15 +69,17 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
         ``seq_len``.
 
     Raises:
-        ValueError: the rows disagree, or ``seq_len`` is past ``req_to_token``'s columns. The slot at
-            ``seq_len`` is trusted to be reserved (checking it would cost a device sync per step).
+        ValueError: the rows disagree, or (with host lengths) ``seq_len`` is past ``req_to_token``'s columns.
+            The slot at ``seq_len`` is trusted to be reserved (checking it would cost a device sync per step).
     """
     bs = req_pool_indices.shape[0]
-    if not (seq_lens.shape[0] == seq_lens_cpu.shape[0] == bonus_tokens.shape[0] == bs):
+    host_rows = bs if seq_lens_cpu is None else seq_lens_cpu.shape[0]
+    if not (seq_lens.shape[0] == host_rows == bonus_tokens.shape[0] == bs):
         raise ValueError(f"plain decode step: {bs} requests but seq_lens {tuple(seq_lens.shape)}, seq_lens_cpu "
-                         f"{tuple(seq_lens_cpu.shape)}, bonus_tokens {tuple(bonus_tokens.shape)}; pass one row each")
+                         f"{None if seq_lens_cpu is None else tuple(seq_lens_cpu.shape)}, bonus_tokens "
+                         f"{tuple(bonus_tokens.shape)}; pass one row each")
     table = model_runner.req_to_token_pool.req_to_token
-    if bs and int(seq_lens_cpu.max()) >= table.shape[1]:
+    if bs and seq_lens_cpu is not None and int(seq_lens_cpu.max()) >= table.shape[1]:
         raise ValueError(f"plain decode step at position {int(seq_lens_cpu.max())} past req_to_token's "
                          f"{table.shape[1]} columns")
     out_cache_loc = table[req_pool_indices, seq_lens.long()].to(torch.int64)
@@ -74,15 +87,31 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
     hidden = CaptureHiddenMode.NULL if spec is not None and spec.is_standalone() else CaptureHiddenMode.FULL
     fields = dict(
         forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=bonus_tokens.to(torch.int64),
-        req_pool_indices=req_pool_indices, seq_lens=seq_lens + 1, seq_lens_cpu=seq_lens_cpu + 1,
-        orig_seq_lens=seq_lens + 1, out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs,
+        req_pool_indices=req_pool_indices, seq_lens=seq_lens + 1,
+        seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu + 1, orig_seq_lens=seq_lens + 1,
+        out_cache_loc=out_cache_loc, seq_lens_sum=None if seq_lens_cpu is None else int(seq_lens_cpu.sum()) + bs,
         positions=seq_lens.to(torch.int64), spec_info=None, capture_hidden_mode=hidden, spec_algorithm=spec)
     return ForwardBatch(**fields)
 
 
+def batch_rows(batch: Any) -> List[int]:
+    """Each request's ``req_to_token`` row, from the host (``Req.req_pool_idx``): reading the batch's device
+    ``req_pool_indices`` would wait for the GPU every step."""
+    reqs = getattr(batch, "reqs", None)
+    if reqs is None:  # a stand-in batch without requests
+        return [int(r) for r in batch.req_pool_indices.tolist()]
+    return [int(req.req_pool_idx) for req in reqs]
+
+
 # ----------------------------------------------------------------------------------- EAGLEWorkerV2 wiring
-def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: Any = None) -> Any:
+def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: Any = None,
+                          grammar_barrier: Any = None) -> Any:
     """One plain step of a spec-v2 decode ``batch``: the target on a DECODE graph, sampled, no draft work.
+
+    ``on_publish`` and ``grammar_barrier`` are what SGLang's scheduler passed ``forward_batch_generation``:
+    the next step's lengths are published with the first, and the second (overlap, 0.5.17+) makes the grammars
+    of structured-output requests take the previous step's tokens before this step's mask is built (SGLang's
+    verify does the same); without it the mask would follow a grammar one step behind.
 
     Returns SGLang's ``GenerationBatchResult`` shaped like its own 0-step (trivial verify) result: one
     token per request, ``accept_lens`` 1, the logprobs the batch asks for (SGLang's sampler computes them
@@ -95,25 +124,31 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
 
     target = worker.target_worker.model_runner
     draft_input, bs = batch.spec_info, batch.seq_lens.shape[0]
+    rows = batch_rows(batch)
     fb = plain_decode_batch(target, req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                             seq_lens_cpu=batch.seq_lens_cpu, bonus_tokens=draft_input.bonus_tokens)
     fb.sampling_info = batch.sampling_info
+    grammar = bool(getattr(batch, "has_grammar", False))
+    if fb.sampling_info is not None:  # the sampler masks by these; SGLang's ForwardBatch.init_new sets them so
+        fb.sampling_info.grammars = [req.grammar for req in batch.reqs] if grammar else None
     for name in _LOGPROB_FIELDS:  # what the scheduler reads back for requests that asked for logprobs
         setattr(fb, name, getattr(batch, name, getattr(fb, name)))
     out = target.forward(fb)
+    hand_over_read_done(worker, target)
+    if grammar_barrier is not None and grammar:
+        grammar_barrier()  # host work, after the forward's launch: it overlaps the GPU, as in SGLang's verify
     next_ids = target.sample(out.logits_output, fb)
     new_seq_lens = batch.seq_lens + 1
     if on_publish is not None:
         on_publish(new_seq_lens)
-    lag.record([int(r) for r in batch.req_pool_indices.tolist()], batch.seq_lens_cpu.tolist(),
-               out.logits_output.hidden_states)
-    # The draft's hidden states travel between steps at the *draft's* width (EAGLE3's target returns 3x
-    # hidden_size): the stub keeps the width the draft input came with.
-    carried = getattr(draft_input, "hidden_states", None)
+    kv_lens = batch.seq_lens if batch.seq_lens_cpu is None else batch.seq_lens_cpu.tolist()
+    lag.record(rows, kv_lens, out.logits_output.hidden_states)
     next_draft = EagleDraftInput(
         bonus_tokens=next_ids.to(torch.int32), topk_p=torch.zeros((bs, worker.topk), device=next_ids.device),
         topk_index=torch.zeros((bs, worker.topk), dtype=torch.int64, device=next_ids.device),
-        hidden_states=None if carried is None else carried.new_zeros((bs, carried.shape[-1])))
+        hidden_states=_stub_like(getattr(draft_input, "hidden_states", None), bs))
+    if rejection_sampling(target):  # SGLang's draft inputs then carry the draft's distribution too
+        next_draft.draft_probs = _stub_like(getattr(draft_input, "draft_probs", None), bs)
     result = dict(
         logits_output=out.logits_output, next_token_ids=next_ids, can_run_cuda_graph=out.can_run_graph,
         speculative_num_draft_tokens=1, next_draft_input=next_draft,
@@ -123,36 +158,113 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
     return GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
 
 
+def _stub_like(carried: Optional[torch.Tensor], bs: int) -> Optional[torch.Tensor]:
+    """Zeros of the width a draft field came with (EAGLE3's draft hidden states are not the target's width;
+    ``draft_probs`` have the draft's vocabulary), for ``bs`` rows; None where the draft input had none."""
+    return None if carried is None else carried.new_zeros((bs,) + tuple(carried.shape[1:]))
+
+
+#: Draft-input fields the catch-up writes back for the rows it caught up.
+_DRAFT_FIELDS = ("topk_p", "topk_index", "hidden_states", "draft_probs")
+
+
 def eagle_v2_catch_up(worker: Any, batch: Any, lag: DraftLag) -> None:
     """Before a speculative step: one draft extend over the tokens lagging requests decoded plainly, fed
     the hidden states their plain steps produced (as a draft prefill of that chunk); the result becomes
     those requests' draft input for this step."""
-    import copy
-
-    rows = [int(r) for r in batch.req_pool_indices.tolist()]
+    if not len(lag):  # the usual speculative step: nothing lags, nothing to read
+        return
+    rows = batch_rows(batch)
     gaps = lag.take(rows)
     if not gaps:
         return
-    table = batch.req_to_token_pool.req_to_token
     idx = [i for i, r in enumerate(rows) if r in gaps]
-    starts = [gaps[rows[i]][0] for i in idx]
-    ends = [int(batch.seq_lens_cpu[i]) for i in idx]
-    view = copy.copy(batch)  # the worker's batch keeps its own fields
-    view.forward_mode = ForwardMode.EXTEND
-    view.req_pool_indices = batch.req_pool_indices[idx]
-    view.input_ids = torch.cat([_committed_tokens(batch.reqs[i], s, e, table.device)
-                                for i, s, e in zip(idx, starts, ends)])
-    view.out_cache_loc = torch.cat([table[rows[i], s:e].to(torch.int64) for i, s, e in zip(idx, starts, ends)])
-    view.extend_lens = [e - s for s, e in zip(starts, ends)]
-    view.prefix_lens = starts
-    view.seq_lens, view.seq_lens_cpu = batch.seq_lens[idx], batch.seq_lens_cpu[idx]
-    kept = [gaps[rows[i]][1] for i in idx]
+    # The batch's own lengths (host copy, else one read of the device's per resume) must be where each lag
+    # ends; a row that disagrees is not caught up (its draft proposes from stale state: outputs stay exact).
+    lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens
+    held = [int(v) for v in lens[torch.tensor(idx, dtype=torch.int64, device=lens.device)].tolist()]
+    for i, n in zip(list(idx), held):
+        if gaps[rows[i]].end != n:
+            log.warning("graphpool draft catch-up: row %d lags up to %d but holds %d tokens; not caught up",
+                        rows[i], gaps[rows[i]].end, n)
+            idx.remove(i)
+    if not idx:
+        return
+    chunks = [gaps[rows[i]] for i in idx]
+    kept = [chunk.hidden for chunk in chunks]
     hidden = torch.cat(kept) if kept[0] is not None else None  # None: a STANDALONE draft reads tokens only
-    draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[idx])
-    for name in ("topk_p", "topk_index", "hidden_states"):
-        full = getattr(batch.spec_info, name)
-        if full is not None and getattr(draft_input, name) is not None:
-            full[idx] = getattr(draft_input, name).to(full.dtype)
+    view = catch_up_view(batch, idx, [c.start for c in chunks], [c.end for c in chunks])
+    log.info("graphpool draft catch-up: %d requests, %d tokens in one draft extend", len(idx),
+             sum(c.end - c.start for c in chunks))
+    rows_device = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
+    draft_input = worker.draft_worker._draft_extend_for_prefill(view, hidden, batch.spec_info.bonus_tokens[rows_device])
+    for name in _DRAFT_FIELDS:
+        full, new = getattr(batch.spec_info, name, None), getattr(draft_input, name, None)
+        if new is None:
+            continue
+        if full is not None:
+            full[rows_device] = new.to(full.dtype)
+        elif len(idx) == len(rows):  # every row caught up: the field is the catch-up's
+            setattr(batch.spec_info, name, new)
+
+
+def catch_up_view(batch: Any, idx: List[int], starts: List[int], ends: List[int]) -> Any:
+    """The batch SGLang's draft prefill (``_draft_extend_for_prefill``, through ``ForwardBatch.init_new``) sees
+    for the catch-up: an EXTEND batch of rows ``idx`` only, each over positions ``[starts[i], ends[i])``.
+
+    A shallow copy of ``batch`` with every per-request field SGLang's ``init_new`` and the draft prefill read
+    cut to those rows (requests, lengths and their sum, the sampling parameters: the draft's distribution is
+    tempered per row under rejection sampling), no logprobs, and nothing of a chunked prefill; the worker's
+    batch keeps its own fields.
+    """
+    import copy
+
+    table = batch.req_to_token_pool.req_to_token
+    device = batch.seq_lens.device
+    rows = [int(batch.reqs[i].req_pool_idx) for i in idx]
+    lens = [e - s for s, e in zip(starts, ends)]
+    view = copy.copy(batch)
+    view.forward_mode = ForwardMode.EXTEND
+    view.reqs = [batch.reqs[i] for i in idx]
+    view.req_pool_indices = torch.tensor(rows, dtype=batch.req_pool_indices.dtype, device=device)
+    view.input_ids = torch.cat([_committed_tokens(batch.reqs[i], s, e, device) for i, s, e in zip(idx, starts, ends)])
+    view.out_cache_loc = torch.cat([table[r, s:e].to(torch.int64) for r, s, e in zip(rows, starts, ends)])
+    view.extend_lens, view.prefix_lens, view.extend_num_tokens = lens, list(starts), sum(lens)
+    view.extend_logprob_start_lens = list(lens)
+    view.seq_lens = torch.tensor(ends, dtype=batch.seq_lens.dtype, device=device)
+    view.seq_lens_cpu = torch.tensor(ends, dtype=torch.int64)
+    view.orig_seq_lens, view.seq_lens_sum = view.seq_lens, sum(ends)
+    view.return_logprob, view.top_logprobs_nums, view.token_ids_logprobs = False, None, None
+    view.sampling_info = _sampling_rows(batch.sampling_info, idx, len(batch.reqs))
+    for name, value in (("req_pool_indices_cpu", torch.tensor(rows, dtype=torch.int64)),  # 0.5.23
+                        ("max_seq_len_host", max(ends)), ("chunked_req", None), ("chunked_req_next_prompt_token", None),
+                        ("input_embeds", None), ("extend_input_logprob_token_ids", None),
+                        ("decoding_reqs", view.reqs)):  # decoding requests, no prefill chunk among them
+        if hasattr(batch, name):
+            setattr(view, name, value)
+    mm = getattr(batch, "multimodal_inputs", None)
+    if isinstance(mm, list) and len(mm) == len(batch.reqs):
+        view.multimodal_inputs = [mm[i] for i in idx]
+    return view
+
+
+#: Per-request tensors of SGLang's ``SamplingBatchInfo`` (its own ``filter_batch`` cuts the same ones).
+_SAMPLING_ROWS = ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "logit_bias")
+
+
+def _sampling_rows(info: Any, idx: List[int], bs: int) -> Any:
+    """A shallow copy of ``info`` with its per-request tensors cut to rows ``idx`` (the batch's keeps them all;
+    SGLang's ``filter_batch`` would also filter the batch's penalizers in place)."""
+    import copy
+
+    if info is None:
+        return None
+    rows = copy.copy(info)
+    for name in _SAMPLING_ROWS:
+        value = getattr(info, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == bs:
+            setattr(rows, name, value[torch.tensor(idx, dtype=torch.int64, device=value.device)])
+    return rows
 
 
 def _committed_tokens(req: Any, start: int, end: int, device: Any) -> torch.Tensor:
@@ -208,9 +320,14 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
         pp_proxy_tensors = argument("pp_proxy_tensors", args, kwargs)
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode and pp_proxy_tensors is None and batch.spec_info is not None and not plain_steps_refused(self):
-            self.activate_step_by_batch(batch.seq_lens.shape[0])  # SGLang's adaptive step count, if on
-            if not switch.speculate(batch.seq_lens.shape[0]) or self.speculative_num_steps == 0:
-                return eagle_v2_plain_decode(self, batch, lag, on_publish)
+            bs = batch.seq_lens.shape[0]
+            self.activate_step_by_batch(bs)  # SGLang's adaptive step count, if on
+            flips = switch.switches
+            speculate = switch.speculate(bs)
+            if switch.switches != flips:
+                _log_flip(self, speculate, bs, switch)
+            if not speculate or self.speculative_num_steps == 0:
+                return eagle_v2_plain_decode(self, batch, lag, on_publish, argument("grammar_barrier", args, kwargs))
             eagle_v2_catch_up(self, batch, lag)
         elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
             lag.forget([req.req_pool_idx for req in batch.reqs])
@@ -220,16 +337,59 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+    _say_where_the_switch_does_not_act()
     log.info("graphpool: spec v2 plain decode above %s requests, back on at <= %d; adaptive step 0 on DECODE graphs",
              off_above, switch.policy.on_at_or_below)
     return switch
 
 
+#: SGLang's spec-v2 workers with a ``forward_batch_generation`` of their own, which the switch does not drive
+#: (the launcher refuses the switch for them: :func:`~.support.switch_refusals`).
+_OWN_WORKERS = (("sglang.srt.speculative.multi_layer_eagle_worker_v2", "MultiLayerEagleWorkerV2", "multi-layer EAGLE"),
+                ("sglang.srt.speculative.frozen_kv_mtp_worker_v2", "FrozenKVMTPWorkerV2", "the frozen-KV MTP draft"))
+_own_originals: dict = {}  # worker class -> its own forward_batch_generation
+
+
+def _say_where_the_switch_does_not_act() -> None:
+    """Where the switch is installed in a process of its own (not through the launcher, which refuses these
+    setups), a worker the switch does not drive logs so once, on its first step, instead of silently
+    speculating at every batch size."""
+    import importlib
+
+    for module, name, what in _OWN_WORKERS:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, RuntimeError, OSError):  # absent, or its kernels are not there
+            continue
+        own = cls.__dict__.get("forward_batch_generation")
+        if own is None or cls in _own_originals:
+            continue
+        _own_originals[cls] = own
+        cls.forward_batch_generation = _warn_once(own, f"graphpool switch: {what} runs on SGLang's {name}, which "
+                                                       f"the switch does not drive; speculation stays on at every "
+                                                       f"batch size")
+
+
+def _warn_once(method: Any, message: str) -> Any:
+    warned = []
+
+    @functools.wraps(method)
+    def warning_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not warned:
+            warned.append(True)
+            log.warning(message)
+        return method(self, *args, **kwargs)
+    return warning_once
+
+
 def uninstall_speculation_switch() -> None:
-    """Restore SGLang's ``EAGLEWorkerV2.forward_batch_generation``."""
+    """Restore SGLang's ``forward_batch_generation`` methods the switch wrapped."""
     global _original_forward
     if _original_forward is not None:
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
         EAGLEWorkerV2.forward_batch_generation = _original_forward
         _original_forward = None
+    for cls, own in list(_own_originals.items()):
+        cls.forward_batch_generation = own
+        del _own_originals[cls]

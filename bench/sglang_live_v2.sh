@@ -35,6 +35,8 @@ print("torch", torch.__version__, "triton", triton.__version__, "gpu",
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 print({p: md.version(p) for p in ("sglang", "sglang-kernel", "flashinfer-python", "transformers", "tokenizers")})
 import sgl_kernel, flashinfer, sglang.srt.server_args, graphpool.integrations.sglang.launch  # noqa: F401
+# what EAGLE v2's draft-graph capture imports on CUDA (run BJ stopped there, 70 s into each server's start)
+import sglang.srt.layers.attention.dsa_backend, sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
 from graphpool.integrations.sglang import versions
 print("imports OK; graphpool sees SGLang's", versions.runner_api(), "API")
 PY

@@ -14,7 +14,7 @@
 #                         no host lengths under the overlap scheduler), FlashMLA, InfLLM, sm100: the sm90 ops
 #   flashinfer.tar.xz     flashinfer-python 0.6.15.post1 with its JIT sources: --attention-backend flashinfer
 #                         compiles its kernels there with the image's nvcc (once per machine)
-#   stubs/                IPython.display, soundfile and xgrammar stand-ins: names SGLang imports at module level
+#   stubs/                IPython.display, soundfile, xgrammar and deep_gemm stand-ins: names SGLang imports at module level
 #                         for notebooks, audio and tool-call grammars; the servers run --grammar-backend none
 #   models/               config.json of Llama-3.1-8B (its public configuration) and of an EAGLE3 draft of its
 #                         hidden size, served with --load-format dummy (no weights travel, no tokenizer)
@@ -57,6 +57,12 @@ open(f"{d}/stubs/soundfile.py", "w").write(
     '"""Stand-in: only the audio transcription endpoint uses soundfile."""\n\n\n'
     "def _missing(*a, **k):\n    raise RuntimeError('soundfile stand-in: no audio I/O here')\n\n\n"
     "read = write = info = SoundFile = _missing\n")
+# deep_gemm: EAGLE v2's draft-graph capture imports the DSA attention backend (for an isinstance list), which
+# imports deep_gemm at module level on CUDA; the box has none (run BJ: every EAGLE3 server stopped there).
+# Only DeepSeek sparse attention calls into it.
+open(f"{d}/stubs/deep_gemm.py", "w").write(
+    '"""Stand-in: imported by the DeepSeek sparse-attention backend of SGLang; only it calls in."""\n\n\n'
+    "def __getattr__(name):\n    raise RuntimeError(f'deep_gemm stand-in: {name} is not available on this machine')\n")
 # xgrammar (a 44 MB wheel) stands in by the names SGLang 0.5.17 imports at module level (tool-call structural
 # tags, its grammar backend): its structural tags as open pydantic models (SGLang's request models type fields with
 # them), the rest raising on use. The servers run --grammar-backend none.

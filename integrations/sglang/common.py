@@ -18,6 +18,8 @@ import torch
 from graphpool import GraphPool, Mode, StepBatch, StepInput, UnknownModeError
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from . import tp
+
 #: Pool mode name of each SGLang forward mode the adapters capture.
 MODE_NAMES: Dict[ForwardMode, str] = {ForwardMode.DECODE: "decode", ForwardMode.TARGET_VERIFY: "target_verify"}
 
@@ -125,9 +127,10 @@ def capture_graphs(runner: Any) -> None:
     runner.output_buffers.clear()
     runner._capturing = True
     try:
-        with runner._capture_context():
-            runner.pool.capture(runner._run_model, prepare=runner._prepare_capture, progress=False,
-                                outputs=dict.fromkeys(runner.output_names, "token"))
+        with runner._capture_context():  # under TP > 1 a capture that fails on one rank fails on every rank
+            tp.capture_on_every_rank(lambda: runner.pool.capture(
+                runner._run_model, prepare=runner._prepare_capture, progress=False,
+                outputs=dict.fromkeys(runner.output_names, "token")))
     finally:
         runner._capturing = False
     runner.graphs = pool_graphs(runner.pool)

@@ -35,7 +35,7 @@ from sglang.srt.model_executor import cuda_graph_runner as sglang_runner
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
                                                           PPProxyTensors)
 
-from . import attn_hooks, common
+from . import attn_hooks, common, tp
 from .common import MODE_NAMES, GraphId
 from .replay_log import ReplayLog
 from .support import capture_batch_sizes, unsupported_reasons
@@ -116,6 +116,7 @@ class MultiModeCudaGraphRunner:
         #: Eager fallbacks by reason (``can_run`` refusals), and replays by forward mode, both logged.
         self.refusals: Dict[str, int] = {}
         self.replay_log = ReplayLog(self.refusals)
+        self.tp_check = tp.LazyAgreement(enabled=self.pool.debug)  # debug under TP > 1: ranks replay alike
 
         self.graphs: Dict[GraphId, Any] = {}
         self.output_buffers: Dict[GraphId, Any] = {}
@@ -315,6 +316,7 @@ class MultiModeCudaGraphRunner:
         only the inputs are staged again, since the draft changed ``input_ids`` and ``positions``.
         """
         step = self._stage(forward_batch) if skip_attn_backend_init else self.replay_prepare(forward_batch)
+        self.tp_check.check(step.mode.name, step.batch.bs, step.real_bs)
         out = self.pool.replay(step)
         self.replay_log.count(forward_batch.forward_mode)
         return LogitsProcessorOutput(next_token_logits=out["next_token_logits"], hidden_states=out["hidden_states"])

@@ -35,7 +35,7 @@ from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, For
 from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
 
-from . import attn_hooks, common
+from . import attn_hooks, common, tp
 from .replay_log import ReplayLog
 from .runner_api_support import (decode_batch_sizes, disable_padding, publish_read_done, read_done_point,
                                  refusal_reasons, server_hidden_mode, spec_settings)
@@ -121,6 +121,7 @@ class MultiModeDecodeRunner:
         #: both in one periodic log line.
         self.refusals: Dict[str, int] = {}
         self.replay_log = ReplayLog(self.refusals)
+        self.tp_check = tp.LazyAgreement(enabled=self.pool.debug)  # debug under TP > 1: ranks replay alike
         self._last_refused: Optional[weakref.ref] = None
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
@@ -277,6 +278,7 @@ class MultiModeDecodeRunner:
         the real tokens."""
         self.load_batch(forward_batch, pp_proxy_tensors)
         step = self._step
+        self.tp_check.check(step.mode.name, step.batch.bs, step.real_bs)
         read_done = read_done_point(self.attn_backend, forward_batch.forward_mode)
         if read_done == "pre":
             publish_read_done(self.model_runner)

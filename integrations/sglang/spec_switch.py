@@ -36,12 +36,15 @@ from .draft_lag import DEFAULT_MAX_LAG_STEPS, DraftLag
 from .eagle_v1_catch_up import eagle_v1_catch_up
 from .eagle_v1_plain import eagle_v1_plain_decode, process_plain_step_result
 from .patch import plain_step_refusal
+from .tp import LazyAgreement
 
 log = logging.getLogger(__name__)
 
 
 class SpeculationSwitch:
-    """Whether each step speculates, with hysteresis, and what the switch did.
+    """Whether each step speculates, with hysteresis, and what the switch did. The decision derives from the
+    batch size and, with ``min_accept``, the verify steps' accepted drafts: state SGLang keeps identical on every
+    tensor-parallel rank (:mod:`.tp`); in debug mode under TP > 1 every rank's decision is compared.
 
     Args:
         off_above: plain decode once the batch size exceeds this.
@@ -58,12 +61,15 @@ class SpeculationSwitch:
         self.gate = AcceptanceGate(min_accept, pause_steps=pause_steps) if min_accept is not None else None
         self.spec_steps = 0
         self.plain_steps = 0
+        # Debug mode under TP > 1: every rank's decision compared before it acts (:mod:`.tp`)
+        self.agreement = LazyAgreement()
 
     def speculate(self, batch_size: int) -> bool:
         """The decision for a decode step of ``batch_size`` sequences (counts it)."""
         by_size = self.policy.choose(batch_size) == "target_verify"
         allowed = self.gate is None or self.gate.allow()  # every decode step counts toward a gate's pause
         spec = by_size and allowed
+        self.agreement.check("target_verify" if spec else "decode", batch_size, batch_size)
         if spec:
             self.spec_steps += 1
         else:

@@ -1,5 +1,5 @@
 """Shared test setup: the `gpu` marker skips without CUDA, the `slow` marker without ``--runslow``; every test of a
-``test_sglang_*`` module is marked `optional`."""
+``test_sglang_*``, ``test_transformers_*`` or ``test_hf_*`` module is marked `optional`."""
 from __future__ import annotations
 
 import gc
@@ -44,8 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow = pytest.mark.skip(reason="the long version of a check that also runs short by default: --runslow runs it")
     runslow = config.getoption("--runslow")
     for item in items:
-        if item.path.name.startswith("test_sglang_"):
-            item.add_marker(pytest.mark.optional)  # SGLang's tests: they skip where SGLang is absent
+        if item.path.name.startswith(("test_sglang_", "test_transformers_", "test_hf_")):
+            item.add_marker(pytest.mark.optional)  # SGLang's and transformers' tests: they skip where it is absent
         if "slow" in item.keywords and not runslow:
             item.add_marker(slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -332,6 +332,7 @@ def test_the_python_api_times_a_step_of_ones_own():
     assert all(r["token_match"] == 1.0 for r in result.rows) and result.env["misses"] == 0
 
 
+@pytest.mark.optional  # SGLang's classes and transformers come with the sglang-classes extra
 @pytest.mark.parametrize("name", ["sglang", "transformers"])
 def test_the_integrations_steps_run_their_own_declarations(tmp_path, capsys, name):
     """--step sglang and --step transformers: the pools the integrations build, with their declarations."""

@@ -17,17 +17,13 @@ import torch
 from tests import sglang_runner_api_harness as R  # noqa: I001  (skips this module under the classic API)
 from tests import sglang_harness as H
 
-from sglang.srt import runtime_context
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from graphpool import UnknownModeError
 from graphpool.integrations.sglang import spec_switch_v2 as v2
 from graphpool.integrations.sglang.draft_lag import DraftLag
-from graphpool.integrations.sglang.runner_api import MultiModeDecodeRunner
 
 CPU = torch.device("cpu")
 

@@ -236,7 +236,6 @@ def test_catch_up_of_some_rows_through_sglangs_own_draft_prefill(monkeypatch):
     fresh draft prefill, the draft input of those rows must be rebuilt (``draft_probs`` included) and the other
     rows' left as they were."""
     from sglang.srt.speculative import eagle_worker_v2
-    from sglang.srt.speculative.eagle_info import EagleDraftInput
 
     cfg = H.HarnessConfig(batch_sizes=(1, 2, 4))
     target = R.RunnerApiModelRunner(cfg, CPU, speculative=True)
@@ -269,7 +268,6 @@ def test_catch_up_of_some_rows_through_sglangs_own_draft_prefill(monkeypatch):
     draft.model.forward = lambda ids, pos, fb: logits.append(forward(ids, pos, fb)) or logits[-1]
     # Stand-in for one kernel: 0.5.23 draws through a Triton kernel that Triton's CPU interpreter cannot run
     # (NumPy 2); what is checked is the distribution the draw is made from.
-    from sglang.srt.speculative import eagle_worker_v2
 
     monkeypatch.setattr(eagle_worker_v2, "fast_sample", lambda probs, num_samples=1, **kw: probs.max(-1, keepdim=True))
     with _rejection_sampling(target):

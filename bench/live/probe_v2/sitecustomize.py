@@ -104,7 +104,8 @@ def _wrap_model_runner(module):
     cls = getattr(module, "ModelRunner", None)
     original = getattr(cls, "init_cuda_graphs", None)
     if original is not None and not getattr(original, "_graph_probe", False):
-        role = lambda self: "draft" if getattr(self, "is_draft_worker", False) else "target"
+        def role(self):
+            return "draft" if getattr(self, "is_draft_worker", False) else "target"
         cls.init_cuda_graphs = _measured(role, "init_cuda_graphs")(original)
 
 

@@ -23,7 +23,7 @@ or the engine's torch gather + SDPA (``torch``, the CPU path); ``flashinfer-refe
 in-graph metadata with the attention math in torch (CPU, float32 checks). ``--kernels`` picks the fused
 Triton norms/rotary/SwiGLU (default on CUDA) or plain torch; ``--run-ahead`` how many verify steps the host
 may queue before reading their accept lengths. The last lines are issue 11's acceptance checks (PASS/FAIL).
-    python bench/decode_loop.py --out bench/results/decode_loop   # a run to record (bench/RESULTS.md)
+    python bench/decode_loop.py --out bench/results/decode_loop   # a run to record (bench/RESULTS_HISTORY.md)
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):

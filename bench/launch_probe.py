@@ -7,7 +7,7 @@ one kind each, and for the engine's decode and verify graphs with the GEMV on an
 
     python bench/launch_probe.py [--nodes 188] [--engine]
 
-Run AK in bench/RESULTS.md: unprofiled, the engine's graphs cost the host 8-10 us per replay with the GEMV on
+Run AK in bench/RESULTS_HISTORY.md: unprofiled, the engine's graphs cost the host 8-10 us per replay with the GEMV on
 or off; the profile's 180-460 us per ``cudaGraphLaunch`` is the profiler's own.
 """
 from __future__ import annotations

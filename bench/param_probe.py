@@ -11,7 +11,7 @@ node then costs the GPU over the bare step (graphpool.bench's default step, as b
 
     python bench/param_probe.py
 
-Run AJ in bench/RESULTS.md: correct (every queued launch staged its own row); one node costs 2.3-5.0 us over
+Run AJ in bench/RESULTS_HISTORY.md: correct (every queued launch staged its own row); one node costs 2.3-5.0 us over
 the bare step against the ring's 4.9-7.7 us in the same run (the update itself 0.6-1.9 us of it), still
 above issue 14's 2 us, so graphpool keeps the ring for now.
 """

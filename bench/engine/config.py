@@ -94,7 +94,7 @@ class SpecConfig:
             interpreter; an error elsewhere), or ``"auto"``, the default: the fused kernel on CUDA, the
             torch ops elsewhere. The same switch covers the tree's selection and the greedy acceptance
             (:mod:`bench.engine.tree_kernels`). The fused path was measured faster on the H200 (run X in
-            bench/RESULTS.md, C = 1: a speculative step took 2.071 ms with it, 2.289 ms with the torch ops).
+            bench/RESULTS_HISTORY.md, C = 1: a speculative step took 2.071 ms with it, 2.289 ms with the torch ops).
     """
 
     topk: int = 4

@@ -6,7 +6,7 @@ ids (a gather from the token table), the positions of the deeper draft levels (`
 ``d``, once per beam node), the root token (the last committed one) and ``n - 1``. In torch that is ~12
 launches of a few elements each (subtractions, a clamp, adds, two gathers, the expand copies of the level
 positions); on the H200 each costs ~1.5 us plus a ~0.5 us gap inside the step's graph (run AU in
-bench/RESULTS.md), ~20 us of a 1.7 ms speculative step at C = 1. :func:`draft_inputs` computes all of
+bench/RESULTS_HISTORY.md), ~20 us of a 1.7 ms speculative step at C = 1. :func:`draft_inputs` computes all of
 it in one launch, one program per sequence, when ``fused``; the torch code is the CPU path and the test
 oracle, and both return the same tensors.
 """

@@ -5,7 +5,7 @@ sequence (1 at the root, ``k`` after) proposes its ``k`` most likely tokens, sco
 cumulative log-probability plus the token's, minus a depth penalty; the ``k`` best of those ``rows * k``
 candidates are the next beam. In torch that is a log-softmax over the vocabulary, a ``topk`` over it, an
 add, a reshape, a second ``topk`` and three gathers: ~8 launches per level, of which the vocabulary
-``topk`` alone took 7-24 us on the H200 (run T in bench/RESULTS.md: ~0.15 ms of a 2.27 ms step went to
+``topk`` alone took 7-24 us on the H200 (run T in bench/RESULTS_HISTORY.md: ~0.15 ms of a 2.27 ms step went to
 top-k and sort kernels). :func:`draft_level` does it in one launch, one program per sequence, which
 holds all of the sequence's beam rows at once as one ``[rows, vocab]`` tile (rows padded to a power of
 two, the padding masked to ``-inf`` and never selected): the max, the log-sum-exp and each of the ``k``
@@ -17,7 +17,7 @@ batch 1: run X, measured before this change.)
 :func:`draft_level_into` is the engine's whole-tree form of the same kernel: each level also writes its
 candidates straight into the tree's candidate buffers, their parents, and the next beam's ancestor rows, so
 a speculative step builds its draft tree without the torch loop's concatenations, expand copies and gathers
-(~12 launches of a few elements each; run AW in bench/RESULTS.md).
+(~12 launches of a few elements each; run AW in bench/RESULTS_HISTORY.md).
 
 Ties: the kernel takes the lowest index first among equal values (``torch.topk`` leaves their order
 unspecified), and its log-sum-exp may differ from torch's in the last bits. Either changes at most which

@@ -14,7 +14,7 @@ Which FlashInfer call serves which step (``R`` sequences, ``T`` new tokens each)
   ``R * T`` sequences and as many times more CTAs. Why: the masked prefill kernel packs a sequence's 16
   verify tokens x 8 query heads per KV head into one 128-row tile, so a verify call at one sequence ran
   4 CTAs, each walking the KV alone: 17 us a call (8 a step) and 9.5 us for the draft's levels, against
-  ~6 us for a plain decode call (run Z in ``bench/RESULTS.md``, H200, medium model, C = 1, measured
+  ~6 us for a plain decode call (run Z in `bench/RESULTS_HISTORY.md`, H200, medium model, C = 1, measured
   before this form existed);
 * larger tree steps: the prefill wrapper with a packed custom mask (each query sees the committed prefix
   and its own ancestors in the tree). It reads each sequence's KV once for all its tokens, the decode

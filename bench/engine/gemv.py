@@ -3,14 +3,14 @@
 A plain decode step at C = 1 multiplies one token by every weight matrix: it is bound by reading 3.5 GB of
 weights (the medium model), so its floor is the HBM bandwidth. cuBLAS serves ``M = 1`` with split-K GEMM
 kernels plus a reduce launch per call: on the H200 the step's GEMMs took 0.944 ms for 3.46 GB, 3.66 TB/s,
-with 17 reduce launches (run AA in bench/RESULTS.md). :func:`linear` runs a one-row product as one GEMV
+with 17 reduce launches (run AA in bench/RESULTS_HISTORY.md). :func:`linear` runs a one-row product as one GEMV
 launch instead: each program owns ``BLOCK_N`` output columns, streams their weight rows (contiguous in
 ``nn.Linear``'s ``[N, K]`` layout) once, multiplies them with the input row, and writes its columns; no
 partial sums leave the program, so there is nothing to reduce afterwards. :func:`linear_silu_mul` does
 the same for the fused gate/up projection and applies SwiGLU before it stores, so the MLP's activation
 needs no launch of its own either.
 
-A GEMV over several rows was slower than cuBLAS at every shape (run AB in bench/RESULTS.md); 2-16 rows go to
+A GEMV over several rows was slower than cuBLAS at every shape (run AB in bench/RESULTS_HISTORY.md); 2-16 rows go to
 the skinny tensor-core GEMM of :mod:`bench.engine.skinny` (:func:`use_skinny`; a first one, with 32-row
 blocks, was no faster than cuBLAS in the speculative step, runs AF and AG; the second, with 64-128-row
 blocks, is, runs AT-AW), and more rows to cuBLAS. The GEMV serves 16-bit models only: float32 keeps cuBLAS, so a
@@ -71,7 +71,7 @@ def gemv_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]
 
     One output per program (``n`` programs: thousands, so every SM holds many and has loads in flight),
     8 warps, the row in blocks of 2048 (1024 for rows longer than 4096). Picked from
-    ``bench/gemv_probe.py --sweep`` on the H200 (run AD in bench/RESULTS.md): within 0.2 us of the best of
+    ``bench/gemv_probe.py --sweep`` on the H200 (run AD in bench/RESULTS_HISTORY.md): within 0.2 us of the best of
     72 configurations at every shape of the medium model, and 8-28 % faster than cuBLAS at each.
     """
     return 1, min(2048 if k <= 4096 else 1024, triton.next_power_of_2(k)), 8, 1

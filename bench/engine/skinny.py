@@ -4,7 +4,7 @@ At C = 1 a speculative step multiplies 4-5 tokens (each draft level) and 16 toke
 weight matrix: like a plain step it is bound by reading the weights, but cuBLAS serves these shapes with
 tiles sized for larger products (``nvjet ... 128x16``, split-K with a reduce launch for the narrow ones),
 at 3.1-4.1 TB/s where the one-token GEMV of :mod:`bench.engine.gemv` streams 4.1-4.4 TB/s (run AR in
-bench/RESULTS.md: the step's GEMMs 1.446 ms against a whole-step roofline of 1.234 ms).
+bench/RESULTS_HISTORY.md: the step's GEMMs 1.446 ms against a whole-step roofline of 1.234 ms).
 
 The kernel here is written the other way round from a GEMM tile (``swap-AB``): each program owns
 ``BLOCK_N`` weight rows and computes their dot products with all ``M <= 16`` input rows on tensor cores,
@@ -57,7 +57,7 @@ def skinny_config(n: int, k: int, silu: bool = False) -> Config:
 
 
 # The medium model's shapes ``(n outputs, K, silu)``: the best of 60 configurations at 4 and 16 rows on the
-# H200 (``bench/gemv_probe.py --skinny``, run AU in bench/RESULTS.md; scored as a speculative step at C = 1
+# H200 (``bench/gemv_probe.py --skinny``, run AU in bench/RESULTS_HISTORY.md; scored as a speculative step at C = 1
 # calls them, four draft levels and one verify). None of them splits K: with 64- and 128-row blocks the
 # unsplit kernel was as fast as the split one and saves the reduce launch.
 CONFIGS: dict[tuple[int, int, bool], Config] = {

@@ -76,7 +76,7 @@ def advance_lengths(seq_lens: torch.Tensor, accepted: torch.Tensor, next_lens: t
 
     With ``kernel`` one Triton launch does both, storing straight into the pinned buffer: after a verify
     graph, an add kernel then a device-to-host copy cost the GPU ~7 us of waits each (a copy-engine job
-    between two kernels, run AK in bench/RESULTS.md). Without it (CPU, no Triton): ``torch.add`` and a
+    between two kernels, run AK in bench/RESULTS_HISTORY.md). Without it (CPU, no Triton): ``torch.add`` and a
     non-blocking ``copy_``. All four are int64 ``[bs]``; ``host`` is pinned (on CUDA) and read by the host
     only after an event recorded behind this call."""
     if not kernel:

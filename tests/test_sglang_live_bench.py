@@ -207,7 +207,8 @@ def test_servers_run_on_the_cpus_asked_for(tmp_path):
     assert f"self [{cpu}]" in log and f"child [{cpu}]" in log, log
 
 
-@pytest.mark.parametrize("phase", ["flashinfer", "throughput"])
+# The throughput phase's dry run (four stand-in servers resident, timed windows) is the long one: CI runs it.
+@pytest.mark.parametrize("phase", ["flashinfer", pytest.param("throughput", marks=pytest.mark.slow)])
 def test_runner_api_bench_dry_run_of_a_phase(tmp_path, phase):
     """bench/sglang_live_v2.py (SGLang 0.5.17's live run) against stand-in servers: a ramp phase with aborts
     mid-stream, the adaptive side by side (flashinfer phase; it shares the ramp code with correctness), the

@@ -14,19 +14,13 @@ import torch
 
 import graphpool as gp
 from test_pool import TOY_OUTPUTS, ToyStep, eager_reference, make_inputs, random_step
+from test_pool_contract import pool_for as toy_pool
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SETUPS = [("cpu", "torch"), pytest.param(("cpu", "ring"), marks=pytest.mark.interpreter),
           pytest.param(("cuda", "ring"), marks=pytest.mark.gpu)]
 MODES = [gp.Mode("decode", 1), gp.Mode("verify", 4)]
 SIZES = [1, 2, 4, 8]
-
-
-def toy_pool(device: str, staging: str = "auto", **kwargs) -> tuple[gp.GraphPool, ToyStep]:
-    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device, staging=staging, **kwargs)
-    toy = ToyStep(device)
-    pool.capture(toy, progress=False, outputs=TOY_OUTPUTS)
-    return pool, toy
 
 
 def assert_matches(got: dict, toy: ToyStep, mode: gp.Mode, inputs: dict, what: str = "") -> None:

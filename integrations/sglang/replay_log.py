@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, Mapping
+import weakref
+from typing import Any, Dict, MutableMapping, Optional
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -24,16 +25,29 @@ class ReplayLog:
     """Replay counts by forward mode, logged periodically.
 
     Args:
-        refusals: the runner's eager fallbacks by reason (read, not owned: the runner counts them).
+        refusals: the runner's eager fallbacks by reason (the runner's dict; :meth:`refused` counts into it).
         every: replays between two log lines (at least 1).
     """
 
-    def __init__(self, refusals: Mapping[str, int], every: int = DEFAULT_EVERY):
+    def __init__(self, refusals: MutableMapping[str, int], every: int = DEFAULT_EVERY):
         if every < 1:
             raise ValueError(f"ReplayLog: every must be >= 1 replay, got {every}")
         self.refusals, self.every = refusals, every
         self.counts: Dict[ForwardMode, int] = {}
         self.total = 0
+        self._last_refused: Optional[weakref.ref] = None
+
+    def refused(self, forward_batch: Any, reason: str) -> None:
+        """Count one step that runs eagerly for ``reason`` (a warning at each reason's first). Spec v2 asks twice
+        for one step (on the plan stream, then in ``_forward_raw``): the same batch is counted once."""
+        last = self._last_refused
+        if last is not None and last() is forward_batch:
+            return
+        self._last_refused = weakref.ref(forward_batch)  # weak: a refused batch's tensors are not kept
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        if self.refusals[reason] == 1:
+            log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
+                        forward_batch.forward_mode.name, reason)
 
     def count(self, mode: ForwardMode) -> None:
         """One replay of ``mode``; logs at the mode's first replay and every ``every`` replays."""

@@ -23,7 +23,6 @@ and the forward context; :mod:`.attn_hooks` (shared with :mod:`.runner_api`) dri
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
@@ -231,15 +230,7 @@ class MultiModeCudaGraphRunner:
             return False  # without speculation: SGLang never asks for those, but a caller may
         reason = self._refusal(name, forward_batch)
         if reason is not None:
-            # Spec v2 asks twice for one step (prepare_for_v2_verify, then _forward_raw): count a batch once.
-            last = getattr(self, "_last_refused", None)
-            if last is not None and last() is forward_batch:
-                return False
-            self._last_refused = weakref.ref(forward_batch)  # weak: a refused batch's tensors are not kept
-            self.refusals[reason] = self.refusals.get(reason, 0) + 1
-            if self.refusals[reason] == 1:
-                log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
-                            forward_batch.forward_mode.name, reason)
+            self.replay_log.refused(forward_batch, reason)
             return False
         return True
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -122,7 +121,6 @@ class MultiModeDecodeRunner:
         self.refusals: Dict[str, int] = {}
         self.replay_log = ReplayLog(self.refusals)
         self.tp_check = tp.LazyAgreement(enabled=self.pool.debug)  # debug under TP > 1: ranks replay alike
-        self._last_refused: Optional[weakref.ref] = None
         self.graphs: Dict[common.GraphId, Any] = {}
         self.output_buffers: Dict[common.GraphId, Any] = {}
         self._captured_outputs: Dict[common.GraphId, LogitsProcessorOutput] = {}  # non-tensor fields, as captured
@@ -222,14 +220,7 @@ class MultiModeDecodeRunner:
         if reason is None:
             return True
         if forward_batch.forward_mode in self.tokens_per_mode:  # a step of a mode with graphs ran eagerly
-            # Spec v2 may ask twice for one step (on the plan stream, then in _forward_raw): count it once.
-            last = self._last_refused
-            if last is None or last() is not forward_batch:
-                self._last_refused = weakref.ref(forward_batch)  # weak: a refused batch's tensors are not kept
-                self.refusals[reason] = self.refusals.get(reason, 0) + 1
-                if self.refusals[reason] == 1:
-                    log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
-                                forward_batch.forward_mode.name, reason)
+            self.replay_log.refused(forward_batch, reason)
         return False
 
     def _refusal(self, forward_batch: ForwardBatch) -> Optional[str]:

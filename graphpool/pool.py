@@ -60,9 +60,10 @@ from .stats import PoolStats
 from .validation import InputRules
 
 
-def _env_flag(name: str) -> bool:
-    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+def debug_from_env() -> bool:
+    """Whether ``GRAPHPOOL_DEBUG`` turns debug mode on (the pools' default): unset, empty, 0, false, no and off
+    are off."""
+    return os.environ.get("GRAPHPOOL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 log = logging.getLogger("graphpool")
@@ -108,7 +109,7 @@ class GraphPool:
         self._rules.bind_static(self.buffers.span, [full[n].data_ptr() for n in self._rules.names],
                                 [full[n].numel() * full[n].element_size() for n in self._rules.names])
         self.backend = make_backend(backend, self.device, memory_pool)
-        self.debug = _env_flag("GRAPHPOOL_DEBUG") if debug is None else debug
+        self.debug = debug_from_env() if debug is None else debug
         self.stats = PoolStats(backend=self.backend.name, buffer_bytes=self.buffers.nbytes)
         self._stager = make_stager(staging, isinstance(self.backend, CudaGraphBackend), self.buffers, self._keys,
                                    self._rules, self.synchronize, ring_slots, fast_checks)

@@ -24,10 +24,10 @@ raises :class:`graphpool.RankDisagreementError` on every rank, naming each rank'
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
 from graphpool.agreement import StepAgreement, agree_on_outcome
+from graphpool.pool import debug_from_env
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,12 @@ def tp_cpu_group() -> Optional[Any]:
     return group.cpu_group if group.world_size > 1 else None
 
 
-def debug_on() -> bool:
-    """graphpool's debug mode as ``GRAPHPOOL_DEBUG`` sets it (the pools' own default)."""
-    return os.environ.get("GRAPHPOOL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 class LazyAgreement:
     """A :class:`StepAgreement` over SGLang's TP group, made at the first check (the group exists by then),
     or nothing without debug mode or without TP > 1. ``gloo_group`` overrides the group (tests)."""
 
     def __init__(self, enabled: Optional[bool] = None, gloo_group: Any = None):
-        self.enabled = debug_on() if enabled is None else enabled
+        self.enabled = debug_from_env() if enabled is None else enabled
         self._group = gloo_group
         self._agreement: Optional[StepAgreement] = None
         self._resolved = False
@@ -80,7 +75,7 @@ def capture_on_every_rank(capture: Callable[[], None], gloo_group: Any = None) -
         return
     try:
         capture()
-    except Exception as exc:  # every rank must reach the exchange below, the failed one too
+    except Exception as exc:  # every rank must reach the exchange, the failed one too; it raises on all
         agree_on_outcome(group, exc, "graphpool's graph capture")
-        raise  # agree_on_outcome raised for this rank already; kept for clarity
-    agree_on_outcome(group, None, "graphpool's graph capture")
+    else:
+        agree_on_outcome(group, None, "graphpool's graph capture")

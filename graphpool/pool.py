@@ -16,7 +16,7 @@ Rules a caller must keep:
   have one row per token (``"token"``: a run returns ``real_bs * tokens_per_seq`` rows) or per sequence
   (``"seq"``: ``real_bs`` rows); every other output is returned whole, whatever its shape. A declaration
   that cannot hold is a :class:`StepOutputError` at capture. The same rule runs on every path (CUDA graph,
-  eager twin, eager miss); see :mod:`graphpool.outputs` for paths into nested outputs.
+  eager twin, eager miss); :mod:`graphpool.outputs` states how a path names an output (whole components).
 * **Outputs are views into graph memory**: each run returns a new container of the step's own type around
   new tensor objects, but the next :meth:`GraphPool.run` overwrites their values. Use
   ``run(..., copy=True)`` or clone what you keep.

@@ -120,7 +120,8 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
         with _frozen_gc():
             for i, key in enumerate(order, 1):
                 batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), StepInputs(buffers.views[key]))
-                entries[key] = capture_key(key, batch, buffers, step_fn, prepare, outputs, warmup, backend, stager, fresh)
+                entries[key] = capture_key(key, batch, buffers, step_fn, prepare, outputs, warmup, backend, stager,
+                                           fresh)
                 if progress:
                     _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
     except Exception as exc:
@@ -131,8 +132,8 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
 
 
 def capture_key(key: GraphKey, batch: StepBatch, buffers: StaticBuffers, step_fn: StepFn,
-                prepare: Optional[PrepareFn], outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
-                fresh: Optional[FreshViews] = None) -> Entry:
+                prepare: Optional[PrepareFn], outputs: OutputRules, warmup: int,
+                backend: CudaGraphBackend | EagerBackend, stager: Any, fresh: Optional[FreshViews] = None) -> Entry:
     """Warm up and capture ``key``, every run (``prepare`` too) on every row at its fill value. With
     ``prepare``, staging is its own small graph (``prepare`` must see the staged inputs); without, it is the
     first node of the step's graph."""

@@ -120,8 +120,9 @@ class OutputLayout:
             return lambda leaves: leaves[i]
         children = _children(out)
         if children is None:
-            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a {type(out).__name__}; every "
-                                  f"leaf must be a tensor or None (return Python values outside the graph)")
+            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a "
+                                  f"{type(out).__name__}; every leaf must be a tensor or None (return Python values "
+                                  f"outside the graph)")
         parts = [self._compile(child, (*path, name), where) for name, child in children]
         kind = type(out)
         if isinstance(out, dict):
@@ -143,9 +144,9 @@ class OutputLayout:
         try:  # another tuple or list subclass: it must rebuild from its items
             kind(list(out))
         except Exception as exc:
-            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a {kind.__name__}, which cannot "
-                                  f"be rebuilt from its items ({type(exc).__name__}: {exc}); return a tuple, list, "
-                                  f"namedtuple or dict") from None
+            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a {kind.__name__}, "
+                                  f"which cannot be rebuilt from its items ({type(exc).__name__}: {exc}); return a "
+                                  f"tuple, list, namedtuple or dict") from None
         return lambda leaves: kind([part(leaves) for part in parts])
 
     def _fast_builder(self, out: Outputs) -> Optional[Callable[[Sequence[Any]], Outputs]]:
@@ -243,9 +244,9 @@ def _resolve(rules: OutputRules, paths: list[Path], where: str) -> list[Optional
                                   f"{[_dotted(p) for p in paths]}; paths are dict keys, namedtuple fields and "
                                   f"indices joined by dots, each a whole component")
         if len(named) > 1:
-            raise StepOutputError(f"{where}: outputs declares {spelled!r}, which names {len(named)} outputs (components "
-                                  f"{sorted(named)}): a dict key holding a dot sits beside a nested output spelled "
-                                  f"the same; rename that key")
+            raise StepOutputError(f"{where}: outputs declares {spelled!r}, which names {len(named)} outputs "
+                                  f"(components {sorted(named)}): a dict key holding a dot sits beside a nested "
+                                  f"output spelled the same; rename that key")
         declared[named[0]] = rule
     resolved = []
     for leaf in paths:

@@ -123,8 +123,9 @@ def test_an_input_without_its_row_dimension_is_told_the_rule_and_the_fix(device)
     pool, toy = toy_pool(device)
     inputs = random_step(MODES[0], 1, device, random.Random(4))
     for name, bad, message in (
-            ("seq_lens", inputs["seq_lens"][0], r"'seq_lens' has shape \(\), without the row dimension .* one row per "
-                                                r"sequence .* must be \(rows,\); for one sequence, pass seq_lens.unsqueeze"),
+            ("seq_lens", inputs["seq_lens"][0], r"'seq_lens' has shape \(\), without the row dimension .* one row "
+                                                r"per sequence .* must be \(rows,\); for one sequence, pass "
+                                                r"seq_lens.unsqueeze\(0\)"),
             ("features", inputs["features"][0], r"'features' has shape \(3,\), without the row dimension .* must be "
                                                 r"\(rows, 3\); for one token, pass features.unsqueeze\(0\)")):
         with pytest.raises(gp.InputShapeError, match=message):

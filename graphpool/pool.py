@@ -7,8 +7,9 @@ step that breaks one passes on the CPU and fails or goes silently wrong on the G
   ``torch.cuda.synchronize``) and no data-dependent shapes (``nonzero``, boolean-mask indexing).
 * **Silently wrong:** every replay reads and writes the same addresses. Read inputs only through
   ``batch.inputs``; keep any other state (KV cache, weights, metadata buffers) in tensors allocated once,
-  before capture; never rebind them. Padded rows hold each input's fill value and must be harmless
-  (e.g. ``out_cache_loc`` pointing at a dummy KV slot).
+  before capture; never rebind them. Padded rows hold each input's fill value, and every warm-up and
+  capture run (a recapture after steps too) reads every row at it: fills must be harmless (e.g.
+  ``out_cache_loc`` pointing at a dummy KV slot).
 
 Rules a caller must keep:
 

@@ -11,7 +11,8 @@ Why it looks the way it does (its GPU time is latency, not bandwidth: a step mov
 * **No atomics, no "last program" tail.** Every program keeps its own step counter
   (``counters[program]``), reads it, and advances it itself. The grid is the same for every graph of a
   pool (sized for the largest key; programs past a small key's data copy nothing), so all counters stay
-  equal without any program waiting for another.
+  equal without any program waiting for another. Its chunk dimension stops at CUDA's 65,535; past that a
+  program stages every 65,535th chunk, so no input is too large to launch.
 * **Progress is published early.** Program 0 writes its counter value ``s`` to pinned host memory
   (``done``) as it starts: ``s`` stagings ran before this one, and the stream finished them all before
   this kernel began, so the host may rewrite any row older than ``s``. The host sees progress one step

@@ -59,7 +59,7 @@ def in_pool(device: torch.device, rounds: int) -> dict[str, float]:
     pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 16)], step.inputs, [1, 8], device=device)
     pool.capture(step.step_fn, outputs=step.outputs, progress=False)
     layouts = [entry.layout for entry in pool._entries.values()]  # private: the probe swaps the builder
-    keys = tuple(layouts[0].paths)
+    keys = tuple(path[0] for path in layouts[0].paths)  # a flat dict: each leaf's path is its one key
     variants = builders(keys)
     inputs = step.sample(pool.modes["decode"], 8)
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -33,14 +33,20 @@ class StaticBuffers:
         self._arena = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8, device=device)
         for spec, start, size in zip(specs, starts, sizes):
             self.fill_rows[spec.name] = torch.full((1, *spec.trailing), spec.fill, dtype=spec.dtype, device=device)
-            buf = self._arena[start:start + size].view(spec.dtype).view(shapes[spec.name])
-            # Start as padding: any row a graph reads before a step writes it holds a harmless value.
-            buf.copy_(self.fill_rows[spec.name].expand(shapes[spec.name]))
-            self.full[spec.name] = buf
+            self.full[spec.name] = self._arena[start:start + size].view(spec.dtype).view(shapes[spec.name])
+        self.reset()
         self.views: dict[GraphKey, dict[str, torch.Tensor]] = {}
         for key in keys.keys:
             tps = keys.modes[key.mode].tokens_per_seq
             self.views[key] = {s.name: self.full[s.name][: s.rows(key.bs, tps)] for s in specs}
+
+    def reset(self) -> None:
+        """Set every row of every buffer to its input's fill value: the one place that does. The buffers start
+        so (any row a graph reads before a step writes it is harmless), and every warm-up and capture run reads
+        them so (:func:`graphpool.capture.capture_key`), whatever steps a recapture follows."""
+        with torch.inference_mode():  # raw writes, as staging's: buffers made under inference_mode stay writable
+            for name, buf in self.full.items():
+                buf.copy_(self.fill_rows[name].expand(buf.shape))
 
     def row_bytes(self, spec: StepInput) -> int:
         buf = self.full[spec.name]

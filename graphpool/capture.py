@@ -120,7 +120,8 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
         with _frozen_gc():
             for i, key in enumerate(order, 1):
                 batch = StepBatch(keys.modes[key.mode], key.bs, keys.num_tokens(key), StepInputs(buffers.views[key]))
-                entries[key] = capture_key(key, batch, step_fn, prepare, outputs, warmup, backend, stager, fresh)
+                entries[key] = capture_key(key, batch, buffers, step_fn, prepare, outputs, warmup, backend, stager,
+                                           fresh)
                 if progress:
                     _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
     except Exception as exc:
@@ -130,14 +131,22 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
     return entries
 
 
-def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optional[PrepareFn],
-                outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
-                fresh: Optional[FreshViews] = None) -> Entry:
-    """Warm up and capture ``key``. With ``prepare``, staging is its own small graph (``prepare`` must see
-    the staged inputs); without, it is the first node of the step's graph."""
+def capture_key(key: GraphKey, batch: StepBatch, buffers: StaticBuffers, step_fn: StepFn,
+                prepare: Optional[PrepareFn], outputs: OutputRules, warmup: int,
+                backend: CudaGraphBackend | EagerBackend, stager: Any, fresh: Optional[FreshViews] = None) -> Entry:
+    """Warm up and capture ``key``, every run (``prepare`` too) on every row at its fill value. With
+    ``prepare``, staging is its own small graph (``prepare`` must see the staged inputs); without, it is the
+    first node of the step's graph."""
     entry = Entry(key, batch, KeyStats())
     in_graph = stager.in_graph and prepare is None
     where = f"mode {key.mode!r} bs {key.bs}"
+
+    def at_fills() -> None:
+        # The buffers hold the last step's real inputs after steps have run (a recapture after close() or a
+        # failed capture, a new step function): warm-up and capture must never run on them (a real sequence's
+        # KV slots would be written). Then a ring row that stages the static views onto themselves.
+        buffers.reset()
+        stager.self_copy(key)
 
     def stage_and_step() -> Outputs:
         stager.launch(key)
@@ -148,7 +157,7 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
 
     started = time.perf_counter()
     for _ in range(warmup):
-        stager.self_copy(key)  # a row that stages every static view onto itself: valid pointers, no change
+        at_fills()
         if stager.in_graph:
             backend.warmup(stage_only)
         if prepare is not None:
@@ -156,12 +165,12 @@ def capture_key(key: GraphKey, batch: StepBatch, step_fn: StepFn, prepare: Optio
         _checked_layout(backend.warmup(lambda: step_fn(batch)), outputs, batch, where)
     graph_bytes = 0
     if stager.in_graph and not in_graph:
-        stager.self_copy(key)
+        at_fills()
         stage_graph, _, graph_bytes = backend.capture(stage_only)
         entry.stage_run = _enqueue(backend, stage_graph, stager, stages=True)
+    at_fills()
     if prepare is not None:
         prepare(batch, key.bs)
-    stager.self_copy(key)
     graph, out, nbytes = backend.capture(stage_and_step if in_graph else lambda: step_fn(batch))
     entry.layout = _checked_layout(out, outputs, batch, where, fresh)
     entry.fresh = entry.layout.fresh_function

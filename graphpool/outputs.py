@@ -13,11 +13,17 @@ A step returns a tensor, or a tuple, namedtuple, list or dict (subclasses includ
   statistics, a table of fixed size).
 
 ``outputs`` is ``None`` (every output whole), one rule for every leaf (``"token"`` or ``"seq"``), or a
-mapping from output *paths* to rules. A path names a leaf or a container by its dict keys, namedtuple field
-names and tuple/list indices, joined by dots (``"logits"``, ``"hidden.0"``); a container's rule applies to
-every leaf below it. A declaration that cannot hold (a path that is not there, a ``"token"`` output whose
-first dimension is not the graph's token count) is a :class:`StepOutputError` at capture; on the eager miss
-path the same rule is checked against the real sizes.
+mapping from output *paths* to rules.
+
+**The path rule.** An output's path is its list of *components*: the dict keys, namedtuple field names and
+tuple/list indices from the root down to it; a declared path is those components joined by dots
+(``"logits"``, ``"hidden.0"``; ``""`` is the root). A declaration names the one output (leaf or container)
+whose components join to it, whole components only: ``"hidden"`` names the key ``"hidden"``, never a
+sibling key ``"hidden.layer_norms"`` (a dict key may hold dots; it stays one component). A container's rule
+applies to every leaf below it, and the nearest declared container wins. A declaration that cannot hold (a
+path that names no output, or two; a ``"token"`` output whose first dimension is not the graph's token
+count) is a :class:`StepOutputError` at capture; on the eager miss path the same rule is checked against
+the real sizes.
 
 Every run hands back a new container of the step's own type around *new tensor objects* (views of the
 graph's output memory, or private copies with ``copy=True``): changing one result's keys or its tensors'
@@ -55,8 +61,12 @@ def _children(out: Any) -> Optional[list[tuple[str, Any]]]:
     return None
 
 
-def _join(prefix: str, part: str) -> str:
-    return f"{prefix}.{part}" if prefix else part
+Path = tuple[str, ...]  # an output's components, root first (the path rule, module docstring)
+
+
+def _dotted(path: Path) -> str:
+    """How a declaration spells ``path``: its components joined by dots."""
+    return ".".join(path)
 
 
 def _describe_rule(rule: str, rows: int, what: str) -> str:
@@ -73,16 +83,16 @@ class OutputLayout:
 
     Raises:
         StepOutputError: the step returned something other than tensors (and ``None``) in tuples,
-            namedtuples, lists and dicts, or a declared path is not among its outputs.
+            namedtuples, lists and dicts, or a declared path names none of its outputs (or two).
     """
 
     def __init__(self, out: Outputs, rules: OutputRules, where: str, fresh: Optional[FreshViews] = None):
         if out is None or _children(out) is None and not isinstance(out, torch.Tensor):
             raise StepOutputError(f"{where}: the step function returned {type(out).__name__}; return a tensor, or a "
                                   f"tuple, namedtuple, list or dict of tensors (graph outputs must be tensors)")
-        self.paths: list[str] = []
+        self.paths: list[Path] = []
         self.leaves: list[Optional[torch.Tensor]] = []
-        self.build: Callable[[Sequence[Any]], Outputs] = self._compile(out, "", where)
+        self.build: Callable[[Sequence[Any]], Outputs] = self._compile(out, (), where)
         self.rules: list[Optional[str]] = _resolve(rules, self.paths, where)
         self._views, self._dict = fresh or PYTHON_FRESH
         self._fast = self._fast_builder(out)
@@ -102,7 +112,7 @@ class OutputLayout:
             _check_rule(rule, f"outputs[{path!r}]")
 
     # ----------------------------------------------------------------------------------- structure
-    def _compile(self, out: Outputs, path: str, where: str) -> Callable[[Sequence[Any]], Outputs]:
+    def _compile(self, out: Outputs, path: Path, where: str) -> Callable[[Sequence[Any]], Outputs]:
         if out is None or isinstance(out, torch.Tensor):
             i = len(self.leaves)
             self.leaves.append(out)
@@ -110,9 +120,10 @@ class OutputLayout:
             return lambda leaves: leaves[i]
         children = _children(out)
         if children is None:
-            raise StepOutputError(f"{where}: the step's output {path or '(root)'!r} is a {type(out).__name__}; every "
-                                  f"leaf must be a tensor or None (return Python values outside the graph)")
-        parts = [self._compile(child, _join(path, name), where) for name, child in children]
+            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a "
+                                  f"{type(out).__name__}; every leaf must be a tensor or None (return Python values "
+                                  f"outside the graph)")
+        parts = [self._compile(child, (*path, name), where) for name, child in children]
         kind = type(out)
         if isinstance(out, dict):
             keys = list(out)
@@ -133,9 +144,9 @@ class OutputLayout:
         try:  # another tuple or list subclass: it must rebuild from its items
             kind(list(out))
         except Exception as exc:
-            raise StepOutputError(f"{where}: the step's output {path or '(root)'!r} is a {kind.__name__}, which cannot "
-                                  f"be rebuilt from its items ({type(exc).__name__}: {exc}); return a tuple, list, "
-                                  f"namedtuple or dict") from None
+            raise StepOutputError(f"{where}: the step's output {_dotted(path) or '(root)'!r} is a {kind.__name__}, "
+                                  f"which cannot be rebuilt from its items ({type(exc).__name__}: {exc}); return a "
+                                  f"tuple, list, namedtuple or dict") from None
         return lambda leaves: kind([part(leaves) for part in parts])
 
     def _fast_builder(self, out: Outputs) -> Optional[Callable[[Sequence[Any]], Outputs]]:
@@ -169,7 +180,7 @@ class OutputLayout:
                 other = ("seq" if rule == "token" else "token") if t.dim() and t.shape[0] in (num_tokens, bs) else None
                 hint = (f"declare it {other!r}" if other else "leave it undeclared (returned whole)")
                 raise StepOutputError(
-                    f"{where}: output {path or '(the tensor)'!r} has shape {tuple(t.shape)}, "
+                    f"{where}: output {_dotted(path) or '(the tensor)'!r} has shape {tuple(t.shape)}, "
                     f"{_describe_rule(rule, rows, what)}; {hint}, or return it with {rows} rows")
 
     def views(self, real_tokens: int, real_bs: int) -> tuple[Optional[torch.Tensor], ...]:
@@ -217,19 +228,30 @@ def leaves_of(out: Outputs) -> list[Any]:
     return [leaf for _, child in children for leaf in leaves_of(child)]
 
 
-def _resolve(rules: OutputRules, paths: list[str], where: str) -> list[Optional[str]]:
-    """Each leaf's rule from the declaration: the rule of its longest declared path prefix."""
+def _resolve(rules: OutputRules, paths: list[Path], where: str) -> list[Optional[str]]:
+    """Each leaf's rule from the declaration, by the path rule (module docstring): the rule of the nearest
+    declared output at or above it, matched component by component."""
     OutputLayout.check_declaration(rules)
     if rules is None or isinstance(rules, str):
         return [rules] * len(paths)
-    for path in rules:
-        if not any(p == path or p.startswith(path + ".") or path == "" for p in paths):
-            raise StepOutputError(f"{where}: outputs declares {path!r}, which is not among the step's outputs "
-                                  f"{paths}; paths are dict keys, namedtuple fields and indices joined by dots")
+    # Every output (leaf or container) is a prefix of a leaf's path: the declarations name some of them.
+    outputs = {leaf[:depth] for leaf in paths for depth in range(len(leaf) + 1)}
+    declared: dict[Path, Optional[str]] = {}
+    for spelled, rule in rules.items():
+        named = [p for p in outputs if _dotted(p) == spelled]
+        if not named:
+            raise StepOutputError(f"{where}: outputs declares {spelled!r}, which is not among the step's outputs "
+                                  f"{[_dotted(p) for p in paths]}; paths are dict keys, namedtuple fields and "
+                                  f"indices joined by dots, each a whole component")
+        if len(named) > 1:
+            raise StepOutputError(f"{where}: outputs declares {spelled!r}, which names {len(named)} outputs "
+                                  f"(components {sorted(named)}): a dict key holding a dot sits beside a nested "
+                                  f"output spelled the same; rename that key")
+        declared[named[0]] = rule
     resolved = []
-    for p in paths:
-        best = max((d for d in rules if d == "" or p == d or p.startswith(d + ".")), key=len, default=None)
-        resolved.append(None if best is None else rules[best])
+    for leaf in paths:
+        nearest = next((leaf[:depth] for depth in range(len(leaf), -1, -1) if leaf[:depth] in declared), None)
+        resolved.append(None if nearest is None else declared[nearest])
     return resolved
 
 

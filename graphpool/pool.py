@@ -7,8 +7,9 @@ step that breaks one passes on the CPU and fails or goes silently wrong on the G
   ``torch.cuda.synchronize``) and no data-dependent shapes (``nonzero``, boolean-mask indexing).
 * **Silently wrong:** every replay reads and writes the same addresses. Read inputs only through
   ``batch.inputs``; keep any other state (KV cache, weights, metadata buffers) in tensors allocated once,
-  before capture; never rebind them. Padded rows hold each input's fill value and must be harmless
-  (e.g. ``out_cache_loc`` pointing at a dummy KV slot).
+  before capture; never rebind them. Padded rows hold each input's fill value, and every warm-up and
+  capture run (a recapture after steps too) reads every row at it: fills must be harmless (e.g.
+  ``out_cache_loc`` pointing at a dummy KV slot).
 
 Rules a caller must keep:
 
@@ -16,7 +17,7 @@ Rules a caller must keep:
   have one row per token (``"token"``: a run returns ``real_bs * tokens_per_seq`` rows) or per sequence
   (``"seq"``: ``real_bs`` rows); every other output is returned whole, whatever its shape. A declaration
   that cannot hold is a :class:`StepOutputError` at capture. The same rule runs on every path (CUDA graph,
-  eager twin, eager miss); see :mod:`graphpool.outputs` for paths into nested outputs.
+  eager twin, eager miss); :mod:`graphpool.outputs` states how a path names an output (whole components).
 * **Outputs are views into graph memory**: each run returns a new container of the step's own type around
   new tensor objects, but the next :meth:`GraphPool.run` overwrites their values. Use
   ``run(..., copy=True)`` or clone what you keep.

@@ -144,13 +144,7 @@ class InputRules:
         if rule == "device" and (t.get_device() != self.device_index or (self._cpu and not t.is_cpu)):
             return f"input {name!r} is on {t.device}, the pool on {self.device}; move it with .to({str(self.device)!r})"
         if rule == "trailing" and (t.dim() != 1 + len(spec.trailing) or tuple(t.shape[1:]) != spec.trailing):
-            flat = ""
-            if t.dim() > 1 + len(spec.trailing) and tuple(t.shape[t.dim() - len(spec.trailing):]) == spec.trailing:
-                shape = ", ".join(["-1", *map(str, spec.trailing)])
-                flat = (f"; rows are flat ({'tokens of every sequence, bs x tokens_per_seq' if spec.per == 'token' else 'sequences'}"
-                        f"): pass {name}.reshape({shape})")
-            return (f"input {name!r} has shape {tuple(t.shape)}: declared rows x {spec.trailing}, so its trailing "
-                    f"shape must be {spec.trailing}{flat}")
+            return self._trailing_problem(spec, t)
         if rule == "rows":
             return self._rows_problem(mode, spec, t, real_bs)
         if rule == "contiguous" and not t.is_contiguous():
@@ -162,6 +156,24 @@ class InputRules:
                     f"the values before {'conj()' if t.is_conj() else 'negation'}); pass "
                     f"{name}.{'resolve_conj' if t.is_conj() else 'resolve_neg'}()")
         return ""
+
+    @staticmethod
+    def _trailing_problem(spec: StepInput, t: torch.Tensor) -> str:
+        name, trailing, shape = spec.name, spec.trailing, tuple(t.shape)
+        if t.dim() < 1 + len(trailing):  # no row dimension at all (a 0-dim tensor, say): the rule, then the fix
+            row = "token" if spec.per == "token" else "sequence"
+            want = f"(rows, {', '.join(map(str, trailing))})" if trailing else "(rows,)"
+            fix = (f"for one {row}, pass {name}.unsqueeze(0)" if shape == trailing else
+                   f"pass a tensor of shape {want}")
+            return (f"input {name!r} has shape {shape}, without the row dimension every input starts with: it is "
+                    f"declared with one row per {row} and trailing shape {trailing}, so its shape must be {want}; "
+                    f"{fix}")
+        flat = ""
+        if t.dim() > 1 + len(trailing) and shape[len(shape) - len(trailing):] == trailing:
+            rows = "tokens of every sequence, bs x tokens_per_seq" if spec.per == "token" else "sequences"
+            flat = f"; rows are flat ({rows}): pass {name}.reshape({', '.join(['-1', *map(str, trailing)])})"
+        return (f"input {name!r} has shape {shape}: declared rows x {trailing}, so its trailing shape must be "
+                f"{trailing}{flat}")
 
     def _overlap_problem(self, spec: StepInput, t: torch.Tensor) -> str:
         start, end = self.static_span

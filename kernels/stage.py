@@ -11,7 +11,8 @@ Why it looks the way it does (its GPU time is latency, not bandwidth: a step mov
 * **No atomics, no "last program" tail.** Every program keeps its own step counter
   (``counters[program]``), reads it, and advances it itself. The grid is the same for every graph of a
   pool (sized for the largest key; programs past a small key's data copy nothing), so all counters stay
-  equal without any program waiting for another.
+  equal without any program waiting for another. Its chunk dimension stops at CUDA's 65,535; past that a
+  program stages every 65,535th chunk, so no input is too large to launch.
 * **Progress is published early.** Program 0 writes its counter value ``s`` to pinned host memory
   (``done``) as it starts: ``s`` stagings ran before this one, and the stream finished them all before
   this kernel began, so the host may rewrite any row older than ``s``. The host sees progress one step
@@ -39,7 +40,11 @@ except ImportError:  # Triton is an extra: a CPU install stages with the referen
     triton = tl = None
 
 META_COLUMNS = 4  # dst_ptr, fill_ptr, row_words, per_token
-STAGE_BLOCK = 1024  # words per program
+STAGE_BLOCK = 1024  # words per program and pass
+#: CUDA's limit on a grid's second dimension (the chunks). Words move in the smallest element size, so a large
+#: per-token float input beside a 1-byte input has many chunks: 4,096 tokens x 8,192 float32 values are
+#: 131,072 chunks of bytes. Past the limit each program loops over its chunks instead of failing to launch.
+MAX_CHUNK_PROGRAMS = 65535
 _WORD_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
@@ -77,17 +82,23 @@ if triton is not None:  # without Triton only the reference (the eager twin's pa
             src, dst, fill = _as_words(src_addr, dst_addr, fill_addr, tl.int8)
         real_words = real_bs * rows_per_seq * row_words
         total_words = padded_bs * rows_per_seq * row_words
-        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < total_words
-        real = offs < real_words
-        from_src = tl.load(src + offs, mask=inside & real, other=0)
-        from_fill = tl.load(fill + offs % row_words, mask=inside & (offs >= real_words), other=0)
-        tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+        # Chunks block, block + blocks, ...: one pass unless an input has more chunks than the grid has rows.
+        start = block.to(tl.int64) * BLOCK
+        stride = tl.num_programs(1).to(tl.int64) * BLOCK
+        while start < total_words:
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < total_words
+            real = offs < real_words
+            from_src = tl.load(src + offs, mask=inside & real, other=0)
+            from_fill = tl.load(fill + offs % row_words, mask=inside & (offs >= real_words), other=0)
+            tl.store(dst + offs, tl.where(real, from_src, from_fill), mask=inside)
+            start += stride
 
 
 def stage_grid(n_inputs: int, max_words: int) -> tuple[int, int]:
-    """The launch grid of a pool: one program per input and ``STAGE_BLOCK``-word chunk of its largest key."""
-    return n_inputs, max(1, -(-max_words // STAGE_BLOCK))
+    """The launch grid of a pool: one program per input and ``STAGE_BLOCK``-word chunk of its largest key,
+    at most :data:`MAX_CHUNK_PROGRAMS` chunks a row (a program then stages every that-many-th chunk)."""
+    return n_inputs, max(1, min(MAX_CHUNK_PROGRAMS, -(-max_words // STAGE_BLOCK)))
 
 
 def stage_launch(ring: torch.Tensor, counters: torch.Tensor, meta: torch.Tensor, done: torch.Tensor,

@@ -618,3 +618,39 @@ def test_a_step_whose_outputs_change_shape_is_refused(device):
             run()
     else:
         assert run().shape == (4,)  # the graph replays what it captured, whatever Python would do now
+
+
+# 12. A third review (each fails without its fix) ----------------------------------------------------------
+@pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: "-".join(s))
+@pytest.mark.parametrize("again", ["after_close", "after_a_failed_capture", "with_a_new_step"])
+def test_a_recapture_runs_every_row_at_its_fill_values(setup, again):
+    """Before: the buffers were set to their fills only when made, so a second capture warmed up and captured
+    on the last step's real inputs, writing into real KV slots."""
+    device, staging = setup
+    pool, toy = pool_for(device, staging)
+    rng = random.Random(30)
+    for mode, bs in (("verify", 7), ("decode", 5), ("verify", 3)):
+        assert_step_exact(pool, toy, device, mode, bs, rng, "before the recapture")
+    kv = toy.cache.clone()
+    seen = []  # what every warm-up and capture run read: `prepare` runs eagerly before each, on every backend
+
+    def prepare(batch, real_bs):
+        seen.append({name: t.clone() for name, t in batch.inputs.items()})
+
+    def broken(batch):
+        raise RuntimeError("broken step")
+
+    if again == "after_close":
+        pool.close()
+    elif again == "after_a_failed_capture":
+        with pytest.raises(gp.CaptureError):
+            pool.capture(broken, prepare=prepare, progress=False, outputs=TOY_OUTPUTS)
+    new_step = toy if again != "with_a_new_step" else (lambda batch: toy(batch))
+    pool.capture(new_step, prepare=prepare, progress=False, outputs=TOY_OUTPUTS)
+    fills = {spec.name: spec.fill for spec in make_inputs()}
+    assert len(seen) >= 2 * len(pool.graph_keys)
+    for inputs in seen:
+        for name, t in inputs.items():
+            assert torch.all(t == fills[name]), f"{again}: capture read {name} = {t.tolist()}, not its fill"
+    assert torch.equal(toy.cache[1:], kv[1:]), "capture wrote KV slots that real sequences own"
+    assert_step_exact(pool, toy, device, "verify", 5, rng, "after the recapture")

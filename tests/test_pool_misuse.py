@@ -117,6 +117,23 @@ def test_two_dimensional_token_ids_are_told_to_flatten(device):
         pool.run("verify", **inputs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_input_without_its_row_dimension_is_told_the_rule_and_the_fix(device):
+    """Before: a 0-dim seq_lens got "has shape (): declared rows x (), so its trailing shape must be ()"."""
+    pool, toy = toy_pool(device)
+    inputs = random_step(MODES[0], 1, device, random.Random(4))
+    for name, bad, message in (
+            ("seq_lens", inputs["seq_lens"][0], r"'seq_lens' has shape \(\), without the row dimension .* one row "
+                                                r"per sequence .* must be \(rows,\); for one sequence, pass "
+                                                r"seq_lens.unsqueeze\(0\)"),
+            ("features", inputs["features"][0], r"'features' has shape \(3,\), without the row dimension .* must be "
+                                                r"\(rows, 3\); for one token, pass features.unsqueeze\(0\)")):
+        with pytest.raises(gp.InputShapeError, match=message):
+            pool.run("decode", **{**inputs, name: bad})
+        fixed = pool.run("decode", copy=True, **{**inputs, name: bad.unsqueeze(0)})  # the fix it names works
+        assert_matches(fixed, toy, MODES[0], inputs, f"{name} fixed")
+
+
 def test_a_mode_object_is_accepted_and_a_foreign_one_named():
     """Before: a Mode (as pool.modes and StepBatch.mode hand out) got "add Mode(Mode(name='decode', ...)"."""
     pool, toy = toy_pool("cpu")

@@ -101,6 +101,34 @@ def test_nested_outputs_and_container_prefixes(device):
     assert isinstance(got["rows"], tuple) and isinstance(got["seq"], list) and got["table"].shape == (3,)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_declared_path_names_whole_components_never_a_string_prefix(device):
+    """Before: paths matched as string prefixes, so a declaration of "logits" also cut a sibling key
+    "logits.layer_stats" (a dict key holding a dot): it came back cut, or the capture failed naming it."""
+    pool = gp.GraphPool(MODES, make_inputs(), SIZES, device=device)
+    toy, stats_of, layer_stats, _ = stats_step(device)
+
+    def step(batch):
+        out = stats_of(batch)
+        return {"logits": out["logits"], "logits.layer_stats": out["layer_stats"], "rows": {"pooled.v2": out["pooled"]}}
+    pool.capture(step, progress=False, outputs={"logits": "token", "rows.pooled.v2": "seq"})
+    rng = random.Random(3)
+    for mode, bs in ((MODES[0], 5), (MODES[1], 3), (MODES[1], 11)):  # graphs of 8 and 8 tokens, and a miss
+        inputs = random_step(mode, bs, device, rng)
+        got = pool.run(mode.name, copy=True, **inputs)
+        want = eager_reference(toy, mode, inputs)
+        assert torch.equal(got["logits.layer_stats"], layer_stats), f"{mode.name} bs={bs}: undeclared, so whole"
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["rows"]["pooled.v2"], want["pooled"], rtol=1e-5, atol=1e-5)
+
+    def two_spellings(batch):  # "a.b" names the key "a.b" and the key "b" inside "a": refused, not guessed
+        out = toy(batch)
+        return {"a.b": out["logits"], "a": {"b": out["logits"] * 2}}
+    with pytest.raises(gp.CaptureError, match=r"declares 'a.b', which names 2 outputs .*rename that key"):
+        gp.GraphPool(MODES, make_inputs(), SIZES, device=device).capture(two_spellings, progress=False,
+                                                                         outputs={"a.b": "token"})
+
+
 class AttrDict(collections.OrderedDict):
     """A dict subclass with attribute access, as transformers' ModelOutput."""
 

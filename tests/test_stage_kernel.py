@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from graphpool.kernels.stage import stage_grid, stage_launch, stage_reference  # noqa: E402
+from graphpool.kernels.stage import MAX_CHUNK_PROGRAMS, STAGE_BLOCK, stage_grid, stage_launch, stage_reference  # noqa: E402
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16]
 TRAILING = [(), (3,), (2, 2), (5,)]
@@ -92,3 +92,43 @@ def test_kernel_never_writes_past_the_padded_rows(device):
         torch.cuda.synchronize()
     assert dsts[0][:8].tolist() == list(range(8)) and (dsts[0][8:] == -7).all()
     assert dsts[1][:2].tolist() == [0, 1] and (dsts[1][2:] == -7).all()
+
+
+CUDA_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y, where the kernel's chunks go
+
+
+def test_the_launch_grid_stays_inside_cuda_limits_for_any_input_size():
+    """Before: the grid's second dimension was ceil(max_words / 1024), so a large per-token float input beside
+    a 1-byte input (words are bytes then) passed CUDA's 65,535 and the pool could not launch its staging."""
+    hidden = 4096 * 8192 * 4  # bytes of 4,096 tokens of float32 hidden states of 8,192: 131,072 chunks of bytes
+    for n_inputs, max_words in ((2, hidden), (7, 2**40), (1, 1), (3, STAGE_BLOCK * CUDA_MAX_GRID_Y + 1)):
+        inputs, chunks = stage_grid(n_inputs, max_words)
+        assert inputs == n_inputs and 1 <= chunks <= min(CUDA_MAX_GRID_Y, -(-max_words // STAGE_BLOCK))
+    assert MAX_CHUNK_PROGRAMS <= CUDA_MAX_GRID_Y and stage_grid(2, hidden)[1] == MAX_CHUNK_PROGRAMS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grid_with_fewer_programs_than_chunks_stages_every_chunk(device):
+    """Past the grid's limit each program stages every ``grid[1]``-th chunk: staged with 2 chunk programs, an
+    input of 5 chunks beside a 1-byte input equals the reference, its real rows and its padded tail."""
+    specs = [(torch.float32, (640,), True), (torch.bool, (), False)]
+    max_bs, tps = 4, 2
+    dsts = [torch.full((max_bs * tps, 640), -7.0, device=device), torch.zeros(max_bs, dtype=torch.bool, device=device)]
+    fills = [torch.full((1, 640), 0.5, device=device), torch.ones(1, dtype=torch.bool, device=device)]
+    ring, done, meta, word, full_grid, _ = kernel_setup(specs, dsts, fills, device, 4)
+    assert word == 1 and full_grid[1] == -(-max_bs * tps * 640 * 4 // STAGE_BLOCK)  # 20 chunks of bytes
+    grid = (len(specs), 2)
+    counters = torch.zeros(grid[0] * grid[1], dtype=torch.int64, device=device)
+    expected = [d.clone() for d in dsts]
+    for i, (real_bs, padded_bs) in enumerate(((3, 4), (1, 2), (4, 4))):
+        srcs = [torch.randn(real_bs * tps, 640, device=device), torch.rand(real_bs, device=device) < 0.5]
+        ring[i, 0] = real_bs
+        ring[i, 1:] = torch.tensor([t.data_ptr() for t in srcs])
+        stage_launch(ring, counters, meta, done, padded_bs, tps, word, grid)
+        stage_reference(expected[0][:padded_bs * tps], srcs[0], fills[0])
+        stage_reference(expected[1][:padded_bs], srcs[1], fills[1])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for got, want in zip(dsts, expected):
+            assert torch.equal(got, want), f"step {i}: real_bs={real_bs} padded_bs={padded_bs}"
+        assert counters.tolist() == [i + 1] * counters.numel()

@@ -51,11 +51,13 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, kv_heads, T, head_dim]`` keys and values at each row's (slot, position); return each row's
-        slot, ``[B, kv_heads, kv_len, head_dim]``, for attention."""
+        slot, ``[B, kv_heads, kv_len, head_dim]``, for attention (in the dtype of ``key_states``: a cache of
+        another dtype stores them cast and reads them back cast; ``.to`` of the same dtype costs nothing)."""
         where, slots, kv_len = self._owner._bound()
-        self.keys.index_put_(where, key_states)
-        self.values.index_put_(where, value_states)
-        return self.keys[:, :, :kv_len].index_select(0, slots), self.values[:, :, :kv_len].index_select(0, slots)
+        self.keys.index_put_(where, key_states.to(self.dtype))
+        self.values.index_put_(where, value_states.to(self.dtype))
+        return (self.keys[:, :, :kv_len].index_select(0, slots).to(key_states.dtype),
+                self.values[:, :, :kv_len].index_select(0, slots).to(value_states.dtype))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._owner.max_len, 0
@@ -87,7 +89,9 @@ class SlotCache(Cache):
             parameter the dtype and device unless given). Checked by :func:`~.versions.check_model`.
         num_slots: slots including :data:`DUMMY_SLOT`, so ``num_slots - 1`` sequences at a time.
         max_len: tokens per slot: a sequence's prompt, new tokens and one step's drafts must fit.
-        dtype: of keys and values (default: the model's).
+        dtype: of the stored keys and values (default: the model's). Another floating-point dtype stores them
+            cast (``bfloat16`` halves a ``float32`` model's cache; ``float64`` keeps it exact); attention still
+            reads them, and the mask is built, in the model's dtype.
         device: where the cache lives (default: the model's).
 
     Before each forward, :meth:`bind` says which slot each row uses and at which positions its tokens sit;
@@ -109,6 +113,10 @@ class SlotCache(Cache):
         config = model.config
         first = next(model.parameters())
         dtype = first.dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"SlotCache dtype must be a floating-point torch.dtype (keys and values are cast to it "
+                            f"and back), got {dtype!r}; an integer cache would need quantization scales this "
+                            f"cache does not keep: leave dtype=None for the model's ({first.dtype})")
         device = first.device if device is None else torch.device(device)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -121,8 +129,9 @@ class SlotCache(Cache):
                       for _ in range(config.num_hidden_layers)]
             self._heads = torch.arange(kv_heads, device=device).view(1, kv_heads, 1)
             self._key_positions = torch.arange(max_len, device=device)
-            self._visible = torch.zeros((), dtype=dtype, device=device)
-            self._hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+            # The mask is added to attention scores, which are in the model's dtype whatever the cache's.
+            self._visible = torch.zeros((), dtype=first.dtype, device=device)
+            self._hidden = torch.full((), torch.finfo(first.dtype).min, dtype=first.dtype, device=device)
         super().__init__(layers=layers)
         self._binding: tuple | None = None
         self._free = list(range(num_slots - 1, 0, -1))  # pop() hands out slot 1 first
@@ -173,7 +182,7 @@ class SlotCache(Cache):
         return self._binding
 
     def attention_mask(self, positions: torch.Tensor, kv_len: int | None = None, groups: int = 1) -> torch.Tensor:
-        """The 4-D additive mask ``[B, 1, groups * T, kv_len]`` (the cache's dtype): 0 where key
+        """The 4-D additive mask ``[B, 1, groups * T, kv_len]`` (the model's dtype): 0 where key
         ``j <= positions[b, t]``, the dtype's minimum elsewhere. Passed as the model's ``attention_mask``,
         transformers hands it to attention as given. ``groups > 1`` repeats the rows for the query heads that
         share a key/value head (:mod:`.attention`: row ``g * T + t`` is token ``t``)."""

@@ -239,10 +239,7 @@ class PoolGenerator:
         if policy is not None and self.num_draft_tokens == 0:
             raise ValueError("a speculation policy needs the verify mode: build the PoolGenerator with "
                              "num_draft_tokens > 0, or pass policy=None for plain decode")
-        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(counts) != len(prompts) or min(counts, default=1) < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt ({len(prompts)}), got "
-                             f"{max_new_tokens!r}")
+        counts = _new_token_counts(prompts, max_new_tokens)
         drafts = self.num_draft_tokens if policy is not None else 0
         vocab = self.model.config.vocab_size
         requests = []
@@ -373,8 +370,11 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
 
     ``max_len`` defaults to the longest prompt + ``max_new_tokens`` + drafts; ``generator_args`` go to
     :class:`PoolGenerator` (``batch_sizes``, ``num_draft_tokens``, ``debug``, ...). Capturing costs far more
-    than one short generation: keep a :class:`PoolGenerator` for repeated calls."""
-    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    than one short generation: keep a :class:`PoolGenerator` for repeated calls. No prompts: an empty result,
+    as :meth:`PoolGenerator.generate` returns, and nothing is built."""
+    counts = _new_token_counts(prompts, max_new_tokens)
+    if not counts:  # no prompts: nothing to size a cache for, nor to capture graphs for
+        return GenerationResult(tokens=[], finish=[])
     drafts = generator_args.get("num_draft_tokens", 4)
     generator_args.setdefault("max_len", max(len(p) + c for p, c in zip(prompts, counts)) + drafts)
     generator = PoolGenerator(model, **generator_args)
@@ -382,6 +382,16 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
         return generator.generate(prompts, max_new_tokens, eos_token_id, policy, gate)
     finally:
         generator.close()
+
+
+def _new_token_counts(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[int]:
+    """``max_new_tokens`` as one count per prompt; raises ValueError for a count < 1 or a list of another length."""
+    one = isinstance(max_new_tokens, int)
+    counts = [max_new_tokens] * len(prompts) if one else list(max_new_tokens)
+    if len(counts) != len(prompts) or min(counts, default=1) < 1 or one and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt ({len(prompts)}), got "
+                         f"{max_new_tokens!r}")
+    return counts
 
 
 def build_pool(model: torch.nn.Module, batch_sizes: Sequence[int], max_len: int, num_draft_tokens: int,

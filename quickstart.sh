@@ -62,7 +62,7 @@ else
          "configured sources (where they serve only CUDA builds, this installs a CUDA build)"
     TORCH_CPU_INDEX=
   fi
-  source_said="pip's own configured sources (TORCH_CPU_INDEX is empty)"
+  source_said="pip's own configured sources"
   echo "quickstart: no NVIDIA GPU: installing the CPU build of $TORCH_CPU from ${TORCH_CPU_INDEX:-$source_said}"
   pip_install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"} "$TORCH_CPU"
 fi

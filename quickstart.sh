@@ -25,6 +25,13 @@ setup_only=0
 if [ "${1:-}" = "--setup-only" ]; then setup_only=1; shift; fi
 
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
+# One request to a package index (its torch page), 5 s at most: true when it answers.
+index_reachable() {
+  "$PY" - "$1" >/dev/null 2>&1 <<'PYCODE'
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5).close()
+PYCODE
+}
 pip_install() {
   echo "quickstart: pip install $*"
   if ! "$PY" -c 'import sys, sysconfig, os
@@ -48,8 +55,15 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
   echo "quickstart: NVIDIA GPU found: installing $TORCH_CUDA (CUDA build, a few GB)"
   pip_install "$TORCH_CUDA"
 else
-  echo "quickstart: no NVIDIA GPU: installing the CPU build of $TORCH_CPU" \
-       "(from ${TORCH_CPU_INDEX:-the default index of pip})"
+  # Ask the CPU index once, with a short timeout: where it cannot be reached, pip would retry every request
+  # for minutes (dozens of warnings) before failing or falling back on its own sources without a word.
+  if [ -n "$TORCH_CPU_INDEX" ] && ! index_reachable "$TORCH_CPU_INDEX"; then
+    echo "quickstart: PyTorch's CPU index ($TORCH_CPU_INDEX) cannot be reached: falling back on pip's own" \
+         "configured sources (where they serve only CUDA builds, this installs a CUDA build)"
+    TORCH_CPU_INDEX=
+  fi
+  source_said="pip's own configured sources"
+  echo "quickstart: no NVIDIA GPU: installing the CPU build of $TORCH_CPU from ${TORCH_CPU_INDEX:-$source_said}"
   pip_install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"} "$TORCH_CPU"
 fi
 if ! has triton; then

@@ -8,9 +8,10 @@
    errors and run tests, and ``git status --porcelain`` must be empty afterwards.
 4. Print each command's wall time (and the set-up's and the main job's own, as they report them).
 
-CI's machines reach PyPI alone, where the pinned torch (2.13.0) resolves to the CPU build, not PyTorch's
-CPU wheel index: the check sets ``TORCH_CPU_INDEX=`` (empty), which makes quickstart.sh use pip's default
-index, and says so. Usage: ``python .ci/newcomer_check.py`` (.ci/run calls it).
+CI's machines reach PyPI alone, where the pinned torch (2.13.0) resolves to the CPU build, and not PyTorch's
+CPU wheel index: the commands run with quickstart.sh's default index, as a newcomer's would, so the check also
+sees the script meet an unreachable index. It must say so in one line, name the source it installs from, and
+print none of pip's retry warnings. Usage: ``python .ci/newcomer_check.py`` (.ci/run calls it).
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ def fresh_env(venv: Path) -> dict[str, str]:
     path = [p for p in env.get("PATH", "").split(os.pathsep) if not (outer and p.startswith(outer))]
     env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
     env["VIRTUAL_ENV"] = str(venv)
-    env["TORCH_CPU_INDEX"] = ""  # PyPI serves the CPU build of the pinned torch on CI's machines
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -68,8 +68,6 @@ def main() -> int:
     if len(commands) != 2:
         raise SystemExit(f"newcomer check: expected two README commands (set-up + main job, tests), got {commands}")
     print("newcomer check: the README's commands, verbatim:", *[f"  {c}" for c in commands], sep="\n")
-    print("newcomer check: TORCH_CPU_INDEX is set empty: this machine reaches PyPI only, where torch 2.13.0 is "
-          "the CPU build, so quickstart.sh's PyTorch CPU index is dropped")
     tmp = Path(tempfile.mkdtemp(prefix="graphpool-newcomer-"))
     problems: list[str] = []
     times: list[tuple[str, float]] = []
@@ -88,6 +86,11 @@ def main() -> int:
             if status != 0:
                 problems.append(f"{command!r} exited with status {status}")
                 break
+        if outputs:
+            if "Retrying (Retry(" in outputs[0]:
+                problems.append("the set-up printed pip's retry warnings (an unreachable index asked by pip)")
+            if not re.search(r"installing the CPU build of \S+ from \S", outputs[0]):
+                problems.append("the set-up did not say where it installed torch from")
         if len(outputs) == 2:
             summary = outputs[1].strip().splitlines()[-1] if outputs[1].strip() else ""
             if re.search(r"\berrors?\b", summary) or "ERROR collecting" in outputs[1]:

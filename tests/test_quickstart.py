@@ -48,3 +48,22 @@ def test_a_refused_editable_install_links_graphpool_so_the_example_imports_it(tm
     probe = "import graphpool, graphpool.kernels, graphpool.integrations; print(graphpool.kernels.__file__)"
     found = subprocess.check_output([python, "-c", probe], cwd=tmp_path, text=True).strip()
     assert Path(found) == checkout / "kernels" / "__init__.py"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_an_unreachable_cpu_index_is_said_once_and_the_fallback_named(tmp_path):
+    """No torch, no GPU, and PyTorch's CPU index unreachable (a closed port here): the script asks the index
+    once, says in one line that it falls back on pip's own sources, and names that source when it installs.
+    This venv has no pip, so the install itself then fails at once: what is checked is what came before it."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    index = "http://127.0.0.1:9/whl/cpu"  # port 9 (discard): nothing listens, the connection is refused
+    done = subprocess.run(["bash", str(ROOT / "quickstart.sh"), "--setup-only"], capture_output=True, text=True,
+                          env={"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "PYTHON": str(env_dir / "bin" / "python"),
+                               "HOME": str(tmp_path), "TORCH_CPU_INDEX": index},
+                          timeout=60)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said  # no pip in this venv: the install cannot succeed
+    assert said.count("cannot be reached") == 1 and index in said, said
+    assert "installing the CPU build of torch==2.13.0 from pip's own configured sources" in said, said
+    assert "--index-url" not in said and "Retrying" not in said, said

@@ -58,7 +58,20 @@ def test_one_pool_holds_every_tier_and_the_engine_names_them(tiered):
 
 
 def test_every_tier_and_every_change_of_tier_commit_plain_decodings_tokens(tiered):
-    engine, pool = tiered
+    _check_every_tier(*tiered)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["torch", "flashinfer-reference"])
+def test_every_tier_commits_plain_decodings_tokens_on_cuda_graphs_gpu(attention):
+    """The same on CUDA graphs (float32; FlashInfer's in-graph metadata with the reference kernel): the tiers'
+    trees of other shapes and the shared draft window, captured."""
+    engine, pool = build(CFG, SPEC, [1, 2, 4], PROMPT, 24, "cuda", torch.float32, tiers=SHORTER, attention=attention)
+    assert pool.stats.backend.startswith("cuda")
+    _check_every_tier(engine, pool)
+
+
+def _check_every_tier(engine, pool):
     reqs = make_requests(7, PROMPT, CFG.vocab_size, 8, 24, seed=3)
     plain = DecodeLoop(engine, pool, "plain").run(reqs, 3)
     runs = {v: DecodeLoop(engine, pool, v).run(reqs, 3) for v in ("spec", "spec_4", "spec_2")}

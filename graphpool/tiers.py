@@ -90,7 +90,7 @@ class TierSchedule:
     Raises:
         ValueError: at construction, naming the tier, the rule and the fix: fewer than two tiers, a repeated
             mode, a missing or superfluous bound, bounds that do not rise down the list (overlapping or
-            unordered), hysteresis that cannot hold (``on_at_or_below`` above ``off_above``, or falling down the
+            unordered), hysteresis that cannot hold (``on_at_or_below`` above ``off_above``, or not rising down the
             list), a mode the pool lacks, drafts that do not shorten, a last tier that is not plain decode.
 
     Example::

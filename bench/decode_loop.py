@@ -8,6 +8,11 @@ measured for four ways of running the steps:
   (iii) dynamic     SpeculationPolicy picks per step; both modes replayed from graphs (graphpool)
   (iv)  dyn-eager   the same choice, but plain steps run eagerly (a runner with verify graphs only)
 
+and with ``--tiers`` (speculation tiers, docs/tiers.md), for each shorter tier and for the schedule:
+
+  spec_<n>          every step a speculative graph of the tier with n draft tokens
+  (v)   tiers       a TierSchedule picks the draft length per step by batch size, plain decode last
+
 Writes JSON and a PNG plot (to the ignored folder out/ unless --out names another) and prints a table
 last. On a CPU it is a smoke run of the code path: a tiny model on the pool's eager twin (no CUDA graphs),
 about 20 s on 2 cores; it times nothing worth comparing, so it fixes the speculation threshold instead of
@@ -24,6 +29,7 @@ in-graph metadata with the attention math in torch (CPU, float32 checks). ``--ke
 Triton norms/rotary/SwiGLU (default on CUDA) or plain torch; ``--run-ahead`` how many verify steps the host
 may queue before reading their accept lengths. The last lines are issue 11's acceptance checks (PASS/FAIL).
     python bench/decode_loop.py --out bench/results/decode_loop   # a run to record (bench/RESULTS_HISTORY.md)
+    python bench/decode_loop.py --tiers 4x2:8,4x1:4 --out bench/results/decode_tiers   # issue 40's tiers run (GPU)
 
 Why the GPU default is the ``medium`` model (1.75 B parameters, bf16) with a draft committing ~2.6
 tokens per verify step. Per step, from :mod:`bench.engine.costs` (H200: 790 TFLOP/s, 4.3 TB/s; keys 192):
@@ -72,20 +78,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.engine.attention import key_len  # noqa: E402
-from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name  # noqa: E402
+from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name, tier_modes  # noqa: E402
 from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.gemv import use_skinny  # noqa: E402
 from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
-from bench.engine.loop import DecodeLoop, make_requests  # noqa: E402
+from bench.engine.loop import CHOSEN, DecodeLoop, fixed_tier_variants, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
 from graphpool.bench.outputs import OutputError, OutputSet  # noqa: E402
-from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, acceptance, acceptance_lines,  # noqa: E402
-                                 check_targets, count, explain, plot, table)
-from graphpool import SpeculationPolicy  # noqa: E402
+from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, TIERS_LEGEND, acceptance,  # noqa: E402
+                                 acceptance_lines, check_targets, count, explain, label, plot, table)
+from bench import decode_tiers  # noqa: E402
+from graphpool import SpeculationPolicy, TierSchedule  # noqa: E402
 
 log = logging.getLogger("decode_loop")
 
@@ -122,8 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="bf16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--concurrency", default=None, help=f"comma list (default GPU {FULL_C}, CPU {CPU_C})")
     p.add_argument("--quick", action="store_true", help=f"C in {QUICK_C} and fewer steps")
-    p.add_argument("--variants", default="plain,spec,dynamic,dynamic_eager_plain",
-                   help="comma list of plain, spec, dynamic, dynamic_eager_plain (default: all four)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of plain, spec, dynamic, dynamic_eager_plain, and with --tiers spec_<n> (each "
+                        "shorter tier fixed) and tiers (default: all of them)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 80 GPU, 40 quick, 8 CPU)")
     p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 3 GPU, 1 CPU)")
     p.add_argument("--min-seconds", type=float, default=None,
@@ -140,6 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--draft-steps", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
+    p.add_argument("--tiers", default="",
+                   help="shorter speculation tiers besides the one above, longest draft first, as TOPKxSTEPS:TOKENS, "
+                        "e.g. 4x2:8,4x1:4 (docs/tiers.md): adds the variants spec_<TOKENS> and tiers")
+    p.add_argument("--tier-bounds", default="auto",
+                   help="the tiers variant's bounds: OFF_ABOVE[/ON_AT_OR_BELOW] per speculative tier (the one above, "
+                        "then each of --tiers), e.g. 2/1,8/4,32; 'auto' chooses them on a GPU from this run's fixed "
+                        "tiers (see bench/decode_tiers.py choose_bounds) and fixes them at the smallest C on a CPU")
     p.add_argument("--draft-noise", type=float, default=None, help="default: the size's preset")
     p.add_argument("--backend", default="auto", help="graphpool backend: auto, cuda or eager")
     p.add_argument("--attention", default="auto", choices=["auto", *ATTENTION],
@@ -208,17 +223,36 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.min_new > args.max_new:
         _refuse("--min-new", f"{args.min_new} is above --max-new {args.max_new} (request lengths are drawn "
                              f"between them)")
-    args.variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))
-    unknown = [v for v in args.variants if v not in LABELS]
+    try:
+        main_spec = SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
+                               draft_noise=args.draft_noise, draft_select=args.draft_select)
+    except ValueError as exc:
+        _refuse("--topk/--draft-steps/--num-draft-tokens", str(exc))
+    try:
+        args.tier_specs = decode_tiers.parse_tiers(args.tiers, main_spec)
+    except ValueError as exc:
+        _refuse("--tiers", str(exc))
+    known = [v for v in LABELS if v != "tiers"] + decode_tiers.variants(args.tier_specs)
+    args.variants = list(dict.fromkeys(v for v in (args.variants or ",".join(known)).split(",") if v))
+    unknown = [v for v in args.variants if v not in known]
     if unknown or not args.variants:
-        _refuse("--variants", f"takes a comma list of {', '.join(LABELS)}; got {unknown or 'none'}")
+        _refuse("--variants", f"takes a comma list of {', '.join(known)}; got {unknown or 'none'}")
+    if args.tier_bounds != "auto":
+        try:
+            args.tier_bounds = decode_tiers.parse_bounds(args.tier_bounds, 1 + len(args.tier_specs))
+        except ValueError as exc:
+            _refuse("--tier-bounds", str(exc))
+    elif gpu and "tiers" in args.variants:
+        ladder = ["plain", "spec"] + decode_tiers.variants(args.tier_specs)[:-1]
+        if any(v not in args.variants for v in ladder):
+            _refuse("--tier-bounds", f"auto chooses the bounds from this run's {', '.join(ladder)}: run them too "
+                                     f"(--variants), or give the bounds")
     if args.threshold != "auto" and not (args.threshold.isdigit()):
         _refuse("--threshold", f"takes auto or a batch size >= 0, got {args.threshold!r}")
     try:
-        SpecConfig(topk=args.topk, steps=args.draft_steps, num_draft_tokens=args.num_draft_tokens,
-                   draft_noise=args.draft_noise, draft_select=args.draft_select)
+        tier_modes(main_spec, args.tier_specs)  # shorter than the main tier, and one another
     except ValueError as exc:
-        _refuse("--topk/--draft-steps/--num-draft-tokens", str(exc))
+        _refuse("--tiers", str(exc))
     if args.tp > 1:
         try:
             from bench.engine.parallel import TensorParallel
@@ -266,7 +300,7 @@ def output_set(prefix: str) -> OutputSet:
     return OutputSet(Path(f"{base}.json"), Path(f"{base}.png"))
 
 
-def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPolicy | None) -> dict:
+def run_variant(engine, pool, variant: str, c: int, args, policy: TierSchedule | None) -> dict:
     spec = engine.spec
     # Enough requests that C stay in flight for the whole window (a window that outlasts them ends early).
     n_req = c + math.ceil(4 * (args.warmup_steps + args.steps) * c * (spec.steps + 1) / args.min_new) + 1
@@ -284,6 +318,7 @@ def run_variant(engine, pool, variant: str, c: int, args, policy: SpeculationPol
         gc.enable()
     return {"variant": variant, "concurrency": c, "tokens": st.tokens, "seconds": st.seconds,
             "tokens_per_s": st.tokens_per_s, "steps": st.steps, "mean_accept": st.mean_accept,
+            "accept_by_tier": st.mean_accept_by_tier, "switches": st.switches,
             "graph_misses": st.graph_misses, "catch_ups": st.catch_ups, "wall_s": time.perf_counter() - started,
             "outputs": {**st.partial, **st.outputs}}
 
@@ -302,19 +337,29 @@ def choose_threshold(results: dict, cs: list[int]) -> tuple[int, int]:
     least throughput summed over the sweep, relative to the better mode at each C: one noisy win of
     speculation at a large C cannot drag the threshold up, as taking the largest winning C would.
     ``on_at_or_below`` is the swept C below it (hysteresis: a server whose batch shrinks back to the
-    threshold does not flip modes every step)."""
-    def tps(v: str, c: int) -> float:
-        return results[(v, c)]["tokens_per_s"]
-
-    measured = [c for c in cs if ("spec", c) in results and ("plain", c) in results]
-    if not measured:
+    threshold does not flip modes every step). The two-tier case of :func:`bench.decode_tiers.choose_bounds`."""
+    if not any(("spec", c) in results and ("plain", c) in results for c in cs):
         raise ValueError("--threshold auto needs the plain and spec variants; pass --threshold N instead")
+    bounds = decode_tiers.choose_bounds(results, cs, ["spec"])
+    return bounds[0][1:] if bounds else (0, 0)
 
-    def score(t: int) -> float:
-        return sum(tps("spec" if c <= t else "plain", c) / max(tps("spec", c), tps("plain", c)) for c in measured)
 
-    off = max([0] + measured, key=lambda t: (score(t), -t))
-    return off, max([c for c in measured if c < off], default=off)
+def tier_bounds(args: argparse.Namespace, results: dict, gpu: bool, tp, engine) -> tuple[list, str]:
+    """The tiers variant's ``(mode, off_above, on_at_or_below)`` per speculative tier, and how they were chosen:
+    ``--tier-bounds``, else on a GPU from this run's fixed tiers (every rank takes rank 0's), else fixed at the
+    smallest C (a CPU run times nothing)."""
+    if args.tier_bounds != "auto":
+        return [(m, *b) for m, b in zip(engine.tiers, args.tier_bounds)], "(--tier-bounds)"
+    if not gpu:
+        fixed = decode_tiers.cpu_bounds(args.concurrency, len(engine.tiers))
+        return ([(m, *b) for m, b in zip(engine.tiers, fixed)],
+                "(fixed at the smallest C on CPU, so the tiered runs take every tier; not chosen from timings)")
+    modes = {"spec": "verify", **fixed_tier_variants(engine)}
+    chosen = decode_tiers.choose_bounds(results, args.concurrency, list(modes))
+    if tp is not None:
+        chosen = tp.broadcast(chosen)
+    # Plain decode won everywhere: the longest tier at batch size 0 only, so the schedule never speculates.
+    return [(modes[v], off, on) for v, off, on in chosen] or [("verify", 0, 0)], "(from this run's fixed tiers)"
 
 
 def cpu_threshold(cs: list[int]) -> tuple[int, int]:
@@ -374,7 +419,7 @@ def run(tp, args: argparse.Namespace) -> int:
         use_skinny(args.skinny == "on")  # before the pool captures
         engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                              dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
-                             attention=args.attention, kernels=args.kernels)
+                             attention=args.attention, kernels=args.kernels, tiers=args.tier_specs)
     except ValueError as exc:  # an option this machine cannot serve (fused kernels on a CPU, say): say which
         raise SystemExit(f"decode_loop: {exc}") from None
     kernels = "fused" if engine.target.fused else "torch"
@@ -390,10 +435,10 @@ def run(tp, args: argparse.Namespace) -> int:
     if roofline:
         print(roofline + "\n" + ROOFLINE_LEGEND, flush=True)
     results: dict = {}
-    first = [v for v in args.variants if not v.startswith("dynamic")]
-    second = [v for v in args.variants if v.startswith("dynamic")]
+    first = [v for v in args.variants if v not in CHOSEN]
+    second = [v for v in args.variants if v in CHOSEN]
     total, done = len(args.variants) * len(args.concurrency), 0
-    threshold = resume = None
+    threshold = resume = bounds = None
     if gpu:  # first-use costs (cuBLAS picking kernels for new shapes, NCCL's lazy set-up, allocator growth,
         # clocks) would land in the first timed point of each variant: run each untimed at the smallest C first
         warm = argparse.Namespace(**{**vars(args), "min_seconds": 0.5})
@@ -414,28 +459,35 @@ def run(tp, args: argparse.Namespace) -> int:
                 how = "(fixed at the smallest C on CPU, so dynamic runs both modes; not chosen from timings)"
             print(f"speculation threshold: off above batch size {threshold}, back on at <= {resume} {how}",
                   flush=True)
+            if "tiers" in phase:
+                bounds, how = tier_bounds(args, results, gpu, tp, engine)
+                print(f"tiers: {decode_tiers.schedule(bounds, pool.modes).describe()} {how}", flush=True)
         for c in args.concurrency:
             for v in phase:
-                policy = SpeculationPolicy(threshold, resume) if v.startswith("dynamic") else None
+                policy = (SpeculationPolicy(threshold, resume) if v.startswith("dynamic")
+                          else decode_tiers.schedule(bounds, pool.modes) if v == "tiers" else None)
                 r = results[(v, c)] = run_variant(engine, pool, v, c, args, policy)
                 done += 1
                 steps = ", ".join(f"{n} {k}" for k, n in r["steps"].items() if n)
-                print(f"[{done}/{total}] {LABELS[v]:<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps: {steps}"
+                print(f"[{done}/{total}] {label(v):<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps: {steps}"
                       f"  accept {r['mean_accept'] or float('nan'):.2f}  misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
     for (v, c), r in results.items():
         if v != "plain" and ("plain", c) in results:
             r["match_vs_plain"] = match_rate(results[("plain", c)]["outputs"], r["outputs"])
     rows = [{k: val for k, val in r.items() if k != "outputs"} for r in results.values()]
     checks = check_targets(results, args.concurrency) if gpu else [
-        {"concurrency": c, "misses": sum(results[(v, c)]["graph_misses"] for v in LABELS if (v, c) in results)}
+        {"concurrency": c, "misses": sum(r["graph_misses"] for (_, rc), r in results.items() if rc == c)}
         for c in args.concurrency]
     meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "runs_on": "cuda graphs" if pool.stats.backend == "cuda" else "eager twin (smoke run, no speed measurement)",
             "size": args.size, "dtype": args.dtype, "model": cfg.__dict__, "spec": spec.__dict__,
             "threshold": threshold, "resume_at": resume, "roofline": roofline.splitlines() if roofline else None,
+            "tiers": {m: t.__dict__ for m, t in engine.tiers.items()}, "tier_bounds": bounds,
             "crossover": crossover(results, args.concurrency) if gpu else None,
             "graph_stats": {"replays": pool.stats.replays, "misses": dict(pool.stats.misses),
-                            "graph_mib": pool.stats.graph_bytes / 2**20}, "graph_table": pool.stats.table(),
+                            "graph_mib": pool.stats.graph_bytes / 2**20,
+                            "graph_mib_by_mode": {m: pool.stats.mode_bytes(m) / 2**20 for m in pool.modes}},
+            "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
             "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas, "skinny": args.skinny,
             "args": {k: v for k, v in vars(args).items() if k != "outputs"}, "total_s": time.perf_counter() - t0,
@@ -452,7 +504,7 @@ def run(tp, args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
         print(f"float32 greedy identity check ({attention} attention) ...", flush=True)
         identity = greedy_identity(cfg, spec, attention, args.device, args.kernels, prompt_len=args.prompt_len,
-                                   run_ahead=args.run_ahead, seed=args.seed)
+                                   run_ahead=args.run_ahead, seed=args.seed, tiers=args.tier_specs)
         print(f"identity: {identity}", flush=True)
     passed = acceptance(results, args.concurrency, checks, roofline_ms, identity)
     if tp is None or tp.rank == 0:
@@ -468,7 +520,8 @@ def run(tp, args: argparse.Namespace) -> int:
         print(f"wrote {json_path}" + (f" and {png_path}" if png else ""))
     print(meta["graph_table"])
     print(explain(STATS_LEGEND.format(verify=modes["verify"].tokens_per_seq, prefill=modes["prefill"].tokens_per_seq,
-                                      mib="" if gpu else " (0 on the eager twin: no graphs)")))
+                                      mib="" if gpu else " (0 on the eager twin: no graphs)")
+                  + (" " + TIERS_LEGEND if args.tier_specs else "")))
     note = ""
     if threshold is not None and gpu:
         seen = (f"spec beat plain up to C = {meta['crossover']}" if meta["crossover"] else "spec never beat plain")
@@ -485,9 +538,9 @@ def run(tp, args: argparse.Namespace) -> int:
         steps = sum(sum(r["steps"].values()) for r in results.values())
         misses = sum(row["misses"] for row in checks)
         matched = [r["match_vs_plain"]["identical"] for (v, _), r in results.items()
-                   if v.startswith("dynamic") and r.get("match_vs_plain", {}).get("identical") is not None]
+                   if v in CHOSEN and r.get("match_vs_plain", {}).get("identical") is not None]
         print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {steps} timed steps over "
-              f"{len(results)} runs, {misses} graph misses; dynamic runs identical to plain decode in "
+              f"{len(results)} runs, {misses} graph misses; dynamic and tiered runs identical to plain decode in "
               f"{sum(m == 1.0 for m in matched)} of {len(matched)}. Speed, crossover and targets: run on a CUDA GPU.")
     return 0
 

@@ -8,13 +8,33 @@ from graphpool.bench.report import explain
 
 log = logging.getLogger(__name__)
 
-LABELS = {"plain": "plain", "spec": "spec", "dynamic": "dynamic", "dynamic_eager_plain": "dyn-eager"}
+LABELS = {"plain": "plain", "spec": "spec", "dynamic": "dynamic", "dynamic_eager_plain": "dyn-eager", "tiers": "tiers"}
+#: The table's columns whether they ran or not; fixed tiers (spec_<n>) and tiers join them when they ran.
+BASE = ("plain", "spec", "dynamic", "dynamic_eager_plain")
 NAMES = {"plain": "(i) plain decode, graphs", "spec": "(ii) speculation always, graphs",
-         "dynamic": "(iii) dynamic, graphs in both modes", "dynamic_eager_plain": "(iv) dynamic, plain steps eager"}
+         "dynamic": "(iii) dynamic, graphs in both modes", "dynamic_eager_plain": "(iv) dynamic, plain steps eager",
+         "tiers": "(v) tiers: draft length by batch size, graphs"}
 # On a CPU the pool's eager twin stands in for the graphs: the legend says so.
 NAMES_CPU = {"plain": "(i) plain decode, eager twin", "spec": "(ii) speculation always, eager twin",
              "dynamic": "(iii) dynamic, both modes via the pool (eager twin)",
-             "dynamic_eager_plain": "(iv) dynamic, plain steps eager"}
+             "dynamic_eager_plain": "(iv) dynamic, plain steps eager", "tiers": "(v) tiers via the pool (eager twin)"}
+TIERS_LEGEND = "verify_<n>: a shorter speculation tier (--tiers), n tokens per sequence."
+
+
+def label(v: str) -> str:
+    """A variant's column label: ``spec_8`` -> ``spec 8`` (the fixed tier of 8 draft tokens)."""
+    return LABELS.get(v) or v.replace("_", " ")
+
+
+def fixed_tiers(results: dict) -> list[str]:
+    """The fixed shorter tiers that ran (``spec_<n>``), longest draft first."""
+    runs = {v for v, _ in results if v.startswith("spec_")}
+    return sorted(runs, key=lambda v: -int(v.split("_")[1]))
+
+
+def columns(results: dict) -> list[str]:
+    """The table's variants: the four of issue 5 always, then the fixed tiers and tiers that ran."""
+    return [*BASE, *fixed_tiers(results), *(["tiers"] if any(v == "tiers" for v, _ in results) else [])]
 
 
 def count(n: float) -> str:
@@ -46,8 +66,11 @@ def _tps(results: dict, v: str, c: int) -> float | None:
 
 def check_targets(results: dict, cs: list[int]) -> list[dict]:
     """Issue 5's targets per C: dynamic >= 0.95 x max(plain, spec); at C >= 32 dynamic >= 1.5 x dyn-eager;
-    no graph misses. Only the comparisons whose runs exist are listed."""
+    no graph misses. With tiers (issue 40): tiers >= 0.98 x the best fixed tier (plain and spec included), and
+    tiers above dynamic at a C where a shorter tier beats both plain and spec. Only the comparisons whose runs
+    exist are listed."""
     out = []
+    shorter = fixed_tiers(results)
     for c in cs:
         dyn, plain, spec, eager = (_tps(results, v, c) for v in ("dynamic", "plain", "spec", "dynamic_eager_plain"))
         row = {"concurrency": c}
@@ -57,30 +80,49 @@ def check_targets(results: dict, cs: list[int]) -> list[dict]:
         if dyn is not None and eager is not None and c >= 32:
             row["dyn_over_eager"] = dyn / eager
             row["eager_ok"] = row["dyn_over_eager"] >= 1.5
-        row["misses"] = sum(results[(v, c)]["graph_misses"] for v in LABELS if (v, c) in results)
+        tiers = _tps(results, "tiers", c)
+        fixed = [t for t in (_tps(results, v, c) for v in ("plain", "spec", *shorter)) if t is not None]
+        if tiers is not None and fixed:
+            row["tiers_over_fixed"] = tiers / max(fixed)
+            row["tiers_ok"] = row["tiers_over_fixed"] >= 0.98
+        short_best = max((t for t in (_tps(results, v, c) for v in shorter) if t is not None), default=None)
+        if (tiers is not None and dyn is not None and plain is not None and spec is not None
+                and short_best is not None and short_best > max(plain, spec)):
+            row["tiers_over_dyn"] = tiers / dyn
+            row["tiers_dyn_ok"] = row["tiers_over_dyn"] > 1.0
+        row["misses"] = sum(r["graph_misses"] for (v, rc), r in results.items() if rc == c)
         out.append(row)
     return out
+
+
+def _ratio(row: dict, value: str, ok: str) -> str:
+    """A target column's cell: the ratio, '!' where the target is missed, '-' where it is not judged."""
+    return f"{row[value]:>8.2f}{'' if row[ok] else '!'}" if value in row else f"{'-':>9}"
 
 
 def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True, policy_note: str = "") -> str:
     """The summary table printed last, each column explained under it. On a GPU the ratio columns judge
     the speed targets and ``policy_note`` (the crossover and the threshold the dynamic runs used) comes
     before the targets line; on a CPU (the eager twin) no ratio is shown: its timings are no measurement."""
-    head = f"{'C':>4} " + " ".join(f"{LABELS[v]:>10}" for v in LABELS) + f" {'accept':>6}"
-    head += f" {'dyn/best':>9} {'dyn/eager':>9}" if gpu else ""
+    cols = columns(results)
+    tiered = "tiers" in cols
+    targets = [("dyn/best", "dyn_over_best", "dyn_ok"), ("dyn/eager", "dyn_over_eager", "eager_ok")]
+    if tiered:
+        targets += [("tier/fixed", "tiers_over_fixed", "tiers_ok"), ("tier/dyn", "tiers_over_dyn", "tiers_dyn_ok")]
+    head = f"{'C':>4} " + " ".join(f"{label(v):>10}" for v in cols) + f" {'accept':>6}"
+    head += "".join(f" {name:>9}" for name, _, _ in targets) if gpu else ""
     head += f" {'match':>6}"
     lines = ["output tokens/s by concurrency C" + ("" if gpu else " (eager twin on CPU: not a speed measurement)"),
              head]
     by_c = {row["concurrency"]: row for row in checks}
     for c in cs:
-        cells = [f"{_tps(results, v, c):>10.1f}" if (v, c) in results else f"{'-':>10}" for v in LABELS]
+        cells = [f"{_tps(results, v, c):>10.1f}" if (v, c) in results else f"{'-':>10}" for v in cols]
         spec = results.get(("spec", c)) or results.get(("dynamic", c))
         acc = f"{spec['mean_accept']:>6.2f}" if spec and spec["mean_accept"] else f"{'-':>6}"
         row = by_c[c]
-        best = f"{row['dyn_over_best']:>8.2f}{'' if row['dyn_ok'] else '!'}" if "dyn_over_best" in row else f"{'-':>9}"
-        eager = f"{row['dyn_over_eager']:>8.2f}{'' if row['eager_ok'] else '!'}" if "dyn_over_eager" in row else f"{'-':>9}"
+        ratios = "".join(f" {_ratio(row, value, ok):>9}" for _, value, ok in targets) if gpu else ""
         m = (results.get(("dynamic", c)) or {}).get("match_vs_plain", {}).get("identical")
-        lines.append(f"{c:>4} " + " ".join(cells) + f" {acc}" + (f" {best:>9} {eager:>9}" if gpu else "")
+        lines.append(f"{c:>4} " + " ".join(cells) + f" {acc}" + ratios
                      + " " + (f"{m:>6.2f}" if m is not None else f"{'-':>6}"))
     lines += [explain(t) for t in (
         "C: requests in flight. plain, spec, dynamic, dyn-eager: output tokens/s of variants (i)-(iv): plain "
@@ -89,16 +131,25 @@ def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True, po
         "accept: tokens committed per sequence per verify step (the spec run's, else dynamic's; '-': no "
         "verify step ran). match: share of requests whose dynamic output equals plain decode's, token for "
         "token ('-': nothing to compare).")]
+    if tiered:
+        lines.append(explain("spec <n>: the shorter tier of n draft tokens on every step. tiers: (v), a TierSchedule "
+                             "choosing the tier per step by batch size, plain decode last (docs/tiers.md)."))
     if gpu:
         lines.append(explain("dyn/best: dynamic / max(plain, spec), target >= 0.95. dyn/eager: dynamic / dyn-eager, "
                      "target >= 1.5, judged at C >= 32 only ('-' below 32). '!': that target missed."))
+        if tiered:
+            lines.append(explain("tier/fixed: tiers / the best fixed tier (plain, spec, spec <n>), target >= 0.98. "
+                                 "tier/dyn: tiers / dynamic, target > 1, judged where a shorter tier beats both plain "
+                                 "and spec ('-' elsewhere)."))
     if policy_note:
         lines.append(policy_note)
     if not gpu:
         return "\n".join(lines)
-    failed = [r["concurrency"] for r in checks if r.get("dyn_ok") is False or r.get("eager_ok") is False or r["misses"]]
+    failed = [r["concurrency"] for r in checks if r["misses"] or any(r.get(ok) is False for _, _, ok in targets)]
     lines.append("targets: dynamic >= 0.95 x max(plain, spec) at every C; dynamic >= 1.5 x dyn-eager at C >= 32; "
-                 "no graph misses -> " + (f"MISSED at C = {failed} (marked !)" if failed else "all met"))
+                 + ("tiers >= 0.98 x the best fixed tier at every C, and above dynamic where a shorter tier wins; "
+                    if tiered else "")
+                 + "no graph misses -> " + (f"MISSED at C = {failed} (marked !)" if failed else "all met"))
     return "\n".join(lines)
 
 
@@ -115,7 +166,9 @@ def plot(results: dict, cs: list[int], path: Path, title: str = "", gpu: bool = 
         log.warning("matplotlib is not installed: no plot written")
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v, name in (NAMES if gpu else NAMES_CPU).items():
+    names = NAMES if gpu else NAMES_CPU
+    for v in (*BASE, *fixed_tiers(results), "tiers"):
+        name = names.get(v) or f"{label(v)}: the tier of {v.split('_')[1]} draft tokens always"
         pts = [(c, results[(v, c)]["tokens_per_s"]) for c in cs if (v, c) in results]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
@@ -162,12 +215,24 @@ def acceptance(results: dict, cs: list[int], checks: list[dict], roofline_ms: di
     eager = [r for r in checks if "eager_ok" in r]
     out.append(("dynamic >= 1.5 x dyn-eager at C >= 32", all(r["eager_ok"] for r in eager) if eager else None,
                 ", ".join(f"C={r['concurrency']}: {r['dyn_over_eager']:.2f}" for r in eager) or "no C >= 32 run"))
+    if any(v == "tiers" for v, _ in results):
+        fixed = [r for r in checks if "tiers_ok" in r]
+        out.append(("tiers >= 0.98 x the best fixed tier at every C", all(r["tiers_ok"] for r in fixed) if fixed
+                    else None, ", ".join(f"C={r['concurrency']}: {r['tiers_over_fixed']:.2f}" for r in fixed)
+                    or "needs plain or a fixed tier"))
+        dyn = [r for r in checks if "tiers_dyn_ok" in r]
+        out.append(("tiers > dynamic where a shorter tier beats plain and spec", all(r["tiers_dyn_ok"] for r in dyn)
+                    if dyn else None, ", ".join(f"C={r['concurrency']}: {r['tiers_over_dyn']:.2f}" for r in dyn)
+                    or "no C where a shorter tier beat both (or dynamic not run)"))
     misses = sum(r["misses"] for r in checks)
     out.append(("no graph misses", misses == 0, f"{misses} misses"))
     if identity is not None:
-        out.append(("float32 greedy output of spec and dynamic identical to plain", identity["ok"],
+        tiers = identity.get("identical", {})
+        shown = "".join(f", {v} {n}/{identity['requests']}" for v, n in tiers.items() if v not in ("spec", "dynamic"))
+        out.append(("float32 greedy output of spec" + (", dynamic and every tier" if tiers else " and dynamic")
+                    + " identical to plain", identity["ok"],
                     f"{identity['attention']} attention: spec {identity['spec_identical']}/{identity['requests']}, "
-                    f"dynamic {identity['dynamic_identical']}/{identity['requests']} requests identical, "
+                    f"dynamic {identity['dynamic_identical']}/{identity['requests']}{shown} requests identical, "
                     f"switched modes: {identity['switched']}, misses {identity['graph_misses']}"))
     return out
 

@@ -15,14 +15,17 @@ from .errors import (BatchTooLargeError, CaptureError, ConcurrentUseError, Devic
                      GraphPoolError, IndexBoundsError, InputDeviceError, InputDtypeError, InputLayoutError,
                      InputRowsError, InputShapeError, InputTypeError, MissingInputError, NotCapturedError,
                      RingDesyncError, StaleStepError, StepOutputError, UnknownModeError)
+from .acceptance import AcceptanceGate  # noqa: E402
 from .modes import GraphKey, Mode, StepInput  # noqa: E402
-from .policy import AcceptanceGate, SpeculationPolicy  # noqa: E402
+from .policy import SpeculationPolicy  # noqa: E402
 from .pool import GraphPool, Step  # noqa: E402
 from .stats import KeyStats, PoolStats  # noqa: E402
+from .tiers import Tier, TierSchedule  # noqa: E402
 
 __all__ = [
-    "GraphPool", "Mode", "StepInput", "StepBatch", "Step", "GraphKey", "CapturedGraph", "SpeculationPolicy", "AcceptanceGate",
-    "PoolStats", "KeyStats", "GraphPoolError", "UnknownModeError", "MissingInputError", "InputTypeError",
+    "GraphPool", "Mode", "StepInput", "StepBatch", "Step", "GraphKey", "CapturedGraph", "SpeculationPolicy",
+    "AcceptanceGate", "Tier", "TierSchedule", "PoolStats", "KeyStats", "GraphPoolError", "UnknownModeError",
+    "MissingInputError", "InputTypeError",
     "InputRowsError", "InputDtypeError", "InputDeviceError", "InputShapeError", "InputLayoutError",
     "IndexBoundsError", "BatchTooLargeError", "NotCapturedError", "CaptureError", "StepOutputError",
     "ConcurrentUseError", "StaleStepError", "RingDesyncError", "DeviceFaultError", "RankDisagreementError",

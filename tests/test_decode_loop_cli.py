@@ -214,6 +214,16 @@ def test_blas_flag_is_recorded_and_refused_off_cuda(tmp_path, capsys):
     (["--tp", "3"], "--tp: tensor parallelism over 3 ranks splits heads"),
     (["--tp", "0"], "--tp: must be >= 1"),
     (["--out", "/proc/no-such-dir/x"], "--out: cannot write /proc/no-such-dir/x.json"),
+    (["--tiers", "4x2"], "--tiers: takes a comma list of TOPKxSTEPS:TOKENS"),
+    (["--tiers", "4x2:16"], "--tiers: tier topk=4 steps=2 carries 16 draft tokens, not fewer"),
+    (["--tiers", "1x1:8"], "--tiers: num_draft_tokens must be in [2, 2] for topk=1, steps=1"),
+    (["--tiers", "4x2:8", "--variants", "spec_4"], "--variants: takes a comma list of plain, spec, dynamic, "
+                                                   "dynamic_eager_plain, spec_8, tiers; got ['spec_4']"),
+    (["--tiers", "4x2:8", "--tier-bounds", "4"], "--tier-bounds: names 1 bounds for 2 speculative tiers"),
+    (["--tiers", "4x2:8", "--tier-bounds", "8,4"], "--tier-bounds: tier 1 ('tier 1') off_above=4 is not above"),
+    (["--tiers", "4x2:8", "--tier-bounds", "4/6,8"], "--tier-bounds: tier 0 ('tier 0'): on_at_or_below=6 is above"),
+    (["--device", "cuda", "--tiers", "4x2:8", "--variants", "plain,spec,tiers"],
+     "--tier-bounds: auto chooses the bounds from this run's plain, spec, spec_8: run them too"),
 ])
 def test_a_bad_option_stops_before_any_work_with_one_line_naming_it(argv, says, monkeypatch):
     """Every option is checked before the engine is built: one line naming the option and what it takes,
@@ -245,3 +255,102 @@ def test_the_json_and_plot_are_written_together_or_not_at_all(tmp_path, monkeypa
     assert decode_loop.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run_c1.5.json"]
     assert json.loads(pair[0].read_text())["meta"]["blas"] == "torch's cpu"
+
+
+def test_a_tiered_cpu_run_takes_every_tier_and_reports_each(tmp_path, capsys):
+    out = tmp_path / "tiers"
+    assert decode_loop.main(["--device", "cpu", "--concurrency", "1,2,4,8", "--steps", "3", "--tiers", "4x2:8,1x3:4",
+                             "--variants", "plain,spec_8,tiers", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    runs = {(r["variant"], r["concurrency"]): r for r in data["results"]}
+    assert set(runs) == {(v, c) for v in ("plain", "spec_8", "tiers") for c in (1, 2, 4, 8)}
+    # CPU bounds: the smallest C per tier, so the sweep's batch sizes take one tier each, plain decode above.
+    assert data["meta"]["tier_bounds"] == [["verify", 1, 1], ["verify_8", 2, 2], ["verify_4", 4, 4]]
+    ran = {c: {m for m, n in runs[("tiers", c)]["steps"].items() if n} for c in (1, 2, 4, 8)}
+    assert ran == {1: {"verify"}, 2: {"verify_8"}, 4: {"verify_4"}, 8: {"decode"}}
+    assert runs[("spec_8", 4)]["accept_by_tier"].keys() == {"verify_8"} and runs[("spec_8", 4)]["mean_accept"] > 1
+    assert all(r["graph_misses"] == 0 for r in runs.values())
+    assert set(data["meta"]["graph_stats"]["graph_mib_by_mode"]) == {"decode", "verify", "verify_8", "verify_4",
+                                                                     "prefill"}
+    text = capsys.readouterr().out
+    assert "tiers: verify <= 1 | verify_8 <= 2 | verify_4 <= 4 | decode (fixed at the smallest C" in text
+    assert "spec 8" in text and "tiers: (v), a TierSchedule" in " ".join(text.split())
+
+
+def test_tier_bounds_follow_the_fixed_tiers_and_leave_out_a_tier_that_never_wins():
+    from bench.decode_tiers import choose_bounds
+    cs = [1, 2, 4, 8, 16, 32, 64]
+    gain = {"spec": {1: 1.5, 2: 1.4, 4: 1.1, 8: 0.9, 16: 0.6, 32: 0.4, 64: 0.3},
+            "spec_8": {1: 1.3, 2: 1.3, 4: 1.25, 8: 1.2, 16: 1.0, 32: 0.7, 64: 1.01},  # a stray win at 64
+            "spec_4": {1: 1.1, 2: 1.1, 4: 1.1, 8: 1.1, 16: 1.1, 32: 0.9, 64: 0.8},
+            "spec_2": {c: 0.5 for c in cs}}                                          # never the best
+    res = {("plain", c): {"tokens_per_s": 100.0 * c} for c in cs}
+    res.update({(v, c): {"tokens_per_s": 100.0 * c * g[c]} for v, g in gain.items() for c in cs})
+    assert choose_bounds(res, cs, ["spec", "spec_8", "spec_4", "spec_2"]) == [
+        ("spec", 2, 1), ("spec_8", 8, 4), ("spec_4", 16, 8)]
+    with pytest.raises(ValueError, match="need the runs of spec, spec_8, plain"):
+        choose_bounds({}, cs, ["spec", "spec_8"])
+
+
+def _threshold_before(results, cs):
+    """decode_loop.choose_threshold as it was before the tiers (commit 3e1dedd): the oracle of the two-tier case."""
+    def tps(v, c):
+        return results[(v, c)]["tokens_per_s"]
+    measured = [c for c in cs if ("spec", c) in results and ("plain", c) in results]
+
+    def score(t):
+        return sum(tps("spec" if c <= t else "plain", c) / max(tps("spec", c), tps("plain", c)) for c in measured)
+    off = max([0] + measured, key=lambda t: (score(t), -t))
+    return off, max([c for c in measured if c < off], default=off)
+
+
+def test_the_on_off_threshold_is_the_two_tier_case_of_the_tier_bounds():
+    import random
+    rng = random.Random(0)
+    cs = [1, 2, 4, 8, 16, 32, 64, 128]
+    for _ in range(300):
+        res = {(v, c): {"tokens_per_s": rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 3)])}
+               for v in ("plain", "spec") for c in cs}
+        assert decode_loop.choose_threshold(res, cs) == _threshold_before(res, cs)
+
+
+def test_gpu_table_and_acceptance_judge_the_tiers():
+    from bench.decode_report import acceptance, check_targets, table
+    figures = {4: {"plain": 100.0, "spec": 120.0, "spec_8": 150.0, "dynamic": 119.0, "dynamic_eager_plain": 90.0,
+                   "tiers": 110.0},   # a shorter tier beats both extremes, tiers lose to it and to dynamic
+               32: {"plain": 300.0, "spec": 150.0, "spec_8": 250.0, "dynamic": 299.0, "dynamic_eager_plain": 150.0,
+                    "tiers": 298.0}}  # plain is the best fixed tier: tiers within 0.98, no tier/dyn judgement
+    results = {(v, c): {"tokens_per_s": t, "mean_accept": 2.0, "graph_misses": 0}
+               for c, row in figures.items() for v, t in row.items()}
+    checks = check_targets(results, [4, 32])
+    assert checks[0]["tiers_over_fixed"] == pytest.approx(110 / 150) and not checks[0]["tiers_ok"]
+    assert checks[0]["tiers_over_dyn"] == pytest.approx(110 / 119) and not checks[0]["tiers_dyn_ok"]
+    assert checks[1]["tiers_ok"] and "tiers_over_dyn" not in checks[1]
+    text = table(results, [4, 32], checks, gpu=True)
+    assert "spec 8" in text and "tier/fixed" in text and "0.73!" in text and "0.92!" in text
+    assert "MISSED at C = [4]" in text.splitlines()[-1]
+    judged = {name: ok for name, ok, _ in acceptance(results, [4, 32], checks, {})}
+    assert judged["tiers >= 0.98 x the best fixed tier at every C"] is False
+    assert judged["tiers > dynamic where a shorter tier beats plain and spec"] is False
+
+
+def test_a_gpu_run_maps_the_chosen_bounds_to_the_engines_tiers():
+    """What the tiers variant gets on a GPU: the bounds chosen from the fixed tiers, as the engine's modes; plain
+    decode everywhere when no tier wins (a schedule that never speculates)."""
+    from types import SimpleNamespace
+
+    from bench.decode_tiers import schedule
+    from bench.engine.config import SpecConfig, tier_modes
+    main = SpecConfig()
+    engine = SimpleNamespace(tiers=tier_modes(main, [SpecConfig(topk=4, steps=2, num_draft_tokens=8)]))
+    args = decode_loop.resolve(decode_loop.parse_args(["--device", "cpu", "--concurrency", "1,8,64",
+                                                       "--tiers", "4x2:8"]))
+    figures = {"plain": {1: 1.0, 8: 1.0, 64: 1.0}, "spec": {1: 2.0, 8: 1.1, 64: 0.5},
+               "spec_8": {1: 1.5, 8: 1.3, 64: 0.6}}
+    res = {(v, c): {"tokens_per_s": t} for v, row in figures.items() for c, t in row.items()}
+    bounds, how = decode_loop.tier_bounds(args, res, True, None, engine)
+    assert bounds == [("verify", 1, 1), ("verify_8", 8, 8)] and "from this run" in how
+    plain = {(v, c): {"tokens_per_s": 1.0 if v == "plain" else 0.1} for v in figures for c in (1, 8, 64)}
+    bounds, _ = decode_loop.tier_bounds(args, plain, True, None, engine)
+    assert bounds == [("verify", 0, 0)]
+    assert [schedule(bounds).choose(bs) for bs in (1, 64)] == ["decode", "decode"]

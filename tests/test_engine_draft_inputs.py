@@ -52,10 +52,10 @@ def test_fused_draft_tree_equals_the_torch_levels(device, topk, steps, n):
         for _ in range(3):  # plain steps, so the sequences differ in length and content
             engine.decode(lens, rows)
             lens = lens + torch.tensor([1, 0, 1], device=device)
-        c = engine._const
+        c = engine._consts["verify"]
         inputs = draft_inputs(engine.token_table, rows, lens, spec.window, spec.steps, spec.topk, c.window_cols,
                               engine.fused_draft_select)
-        trees[select] = engine._draft_tree(lens, rows, inputs)
+        trees[select] = engine._draft_tree(lens, rows, inputs, spec, c)
     assert torch.equal(trees["fused"].tokens, trees["torch"].tokens)
     assert torch.equal(trees["fused"].parents, trees["torch"].parents)
     assert torch.equal(trees["fused"].depth, trees["torch"].depth)

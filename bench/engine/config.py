@@ -9,6 +9,7 @@ a second per step on a CPU (CI and the eager-twin demo).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
@@ -126,3 +127,24 @@ def dtype_from_name(name: str) -> torch.dtype:
         return table[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(table)}") from None
+
+
+def tier_modes(spec: SpecConfig, shorter: Sequence[SpecConfig] = ()) -> dict[str, SpecConfig]:
+    """The engine's speculative tiers by mode name, longest draft first: ``"verify"`` for ``spec``, then
+    ``"verify_<num_draft_tokens>"`` for each of the ``shorter`` tiers (e.g. ``verify_8``, ``verify_4``).
+
+    The tiers share one draft model, so they must agree on its layers, noise and selection kernels; each carries
+    fewer draft tokens than the one before."""
+    tiers = {"verify": spec}
+    before = spec
+    for tier in shorter:
+        if (tier.draft_layers, tier.draft_noise, tier.draft_select) != (spec.draft_layers, spec.draft_noise,
+                                                                       spec.draft_select):
+            raise ValueError(f"tier {tier} differs from the first tier in draft_layers, draft_noise or draft_select: "
+                             f"every tier drafts with the one draft model; give them the first tier's values")
+        if tier.num_draft_tokens >= before.num_draft_tokens:
+            raise ValueError(f"tier topk={tier.topk} steps={tier.steps} carries {tier.num_draft_tokens} draft tokens, "
+                             f"not fewer than the tier before it ({before.num_draft_tokens}): list tiers longest "
+                             f"draft first")
+        tiers[f"verify_{tier.num_draft_tokens}"] = before = tier
+    return tiers

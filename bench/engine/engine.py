@@ -1,5 +1,5 @@
-"""The engine: target + draft models over paged KV caches, and the three step functions the GraphPool
-captures (``prefill``, ``decode``, ``verify``).
+"""The engine: target + draft models over paged KV caches, and the step functions the GraphPool captures
+(``prefill``, ``decode``, ``verify``, and ``verify_<n>`` for each shorter speculation tier).
 
 Every step reads only two per-sequence inputs, ``seq_lens`` (committed tokens ``n``) and
 ``req_pool_indices`` (request rows), and derives the rest in-graph from device tables:
@@ -10,17 +10,23 @@ more than which rows run (the attention metadata is built in-graph too, see
 
 State of a sequence with ``n`` committed tokens: the target KV holds positions ``0..n-2``; token ``n-1``
 is pending (the next step's input). The draft KV holds positions ``0..draft_len-1``.
+
+Speculation tiers (``docs/tiers.md``): besides ``spec``, the engine can draft shorter trees (other topk, steps and
+draft tokens), one verify mode each, all in the one pool. Every tier's first draft pass re-reads the same
+``window`` (the deepest tier's steps + 1) committed tokens, which covers what any tier's step committed: moving
+between tiers needs no catch-up of the draft, only resuming after plain steps does.
 """
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import torch
 
 from graphpool import GraphPool, Mode, StepBatch, StepInput
 
 from .attention import TorchLayouts
-from .config import ModelConfig, SpecConfig
+from .config import ModelConfig, SpecConfig, tier_modes
 from .draft_inputs import DraftInputs, draft_inputs
 from .draft_select import Candidates, draft_level, draft_level_into, resolve_draft_select
 from .fi_attention import HEAD_DIMS, FlashInferLayouts, flashinfer_available
@@ -57,18 +63,26 @@ class Engine:
             :mod:`bench.engine.fi_attention`), ``"flashinfer-reference"`` (FlashInfer's metadata with the attention
             math in torch: CPU and float32 checks), or ``"auto"`` (FlashInfer where it can run, else torch).
         kernels: elementwise kernels of the model, see :func:`bench.engine.model.resolve_kernels`.
+        tiers: shorter speculation tiers besides ``spec`` (fewer draft tokens each, same draft model): verify
+            modes ``verify_<num_draft_tokens>`` (:func:`bench.engine.config.tier_modes`).
     """
 
     def __init__(self, cfg: ModelConfig, spec: SpecConfig, max_rows: int, prompt_len: int, max_new_tokens: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 tp: TensorParallel | None = None, attention: str = "torch", kernels: str = "auto"):
-        if prompt_len < spec.window + 1:
-            raise ValueError(f"prompt_len must be >= {spec.window + 1} (the draft re-reads the last "
-                             f"{spec.window} tokens), got {prompt_len}")
+                 tp: TensorParallel | None = None, attention: str = "torch", kernels: str = "auto",
+                 tiers: Sequence[SpecConfig] = ()):
+        #: Speculative modes, longest draft first: ``{"verify": spec, "verify_8": ..., ...}``.
+        self.tiers = tier_modes(spec, tiers)
+        #: Committed tokens every tier's first draft pass re-reads: what the deepest tier's step can commit.
+        self.window = max(t.window for t in self.tiers.values())
+        if prompt_len < self.window + 1:
+            raise ValueError(f"prompt_len must be >= {self.window + 1} (the draft re-reads the last "
+                             f"{self.window} tokens), got {prompt_len}")
         self.cfg, self.spec, self.device, self.dtype = cfg, spec, torch.device(device), dtype
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
         # Room for the longest request plus one step's tree (verify) and draft scratch past its end.
-        self.max_context = prompt_len + max_new_tokens + spec.num_draft_tokens + spec.topk * spec.steps
+        self.max_context = prompt_len + max_new_tokens + max(t.num_draft_tokens + t.topk * t.steps
+                                                             for t in self.tiers.values())
         if self.max_context + spec.num_draft_tokens > cfg.max_positions:
             raise ValueError(f"max_context {self.max_context} exceeds the model's max_positions {cfg.max_positions}")
         self.fused_draft_select = resolve_draft_select(spec.draft_select, self.device)
@@ -101,7 +115,8 @@ class Engine:
         self.draft_attn = self.layouts.attention(draft_cache)
         self.catch_up_attn = self.torch_layouts.attention(draft_cache)
         self.token_table = torch.zeros(max_rows + 1, self.max_context, dtype=torch.int64, device=self.device)
-        self._const = _StepConstants(spec, prompt_len, self.device)
+        self._consts = {mode: _StepConstants(t, self.window, self.device) for mode, t in self.tiers.items()}
+        self._prompt_cols = torch.arange(prompt_len - 1, device=self.device)
         log.info("engine: %d target layers, %d draft layers, %d rows x %d positions, KV %.1f MiB, %s attention, "
                  "%s kernels", cfg.num_layers, spec.draft_layers, max_rows, self.max_context,
                  (target_cache.nbytes + draft_cache.nbytes) / 2**20, self.attention,
@@ -111,15 +126,17 @@ class Engine:
     #: Every step returns one value per sequence (new tokens, accept lengths, rows): the pool's output rule.
     OUTPUTS = "seq"
 
-    def modes(self) -> list[Mode]:
-        """decode (1 token/seq), verify (``num_draft_tokens``/seq), prefill (the prompt but its last token)."""
-        return [Mode("decode", 1), Mode("verify", self.spec.num_draft_tokens), Mode("prefill", self.prompt_len - 1)]
+    def modes(self, prefill_batch_sizes: Sequence[int] | None = None) -> list[Mode]:
+        """decode (1 token/seq), each speculative tier (``num_draft_tokens``/seq; ``verify`` first), prefill (the
+        prompt but its last token; its own batch sizes if given)."""
+        sizes = tuple(prefill_batch_sizes) if prefill_batch_sizes is not None else None
+        return [Mode("decode", 1), *(Mode(m, t.num_draft_tokens) for m, t in self.tiers.items()),
+                Mode("prefill", self.prompt_len - 1, sizes)]
 
     def build_pool(self, batch_sizes: list[int], prefill_batch_sizes: list[int], backend: str = "auto") -> GraphPool:
-        """A GraphPool with all three modes over :data:`STEP_INPUTS` (prefill with its own sizes)."""
-        modes = self.modes()
-        modes[2] = Mode("prefill", self.prompt_len - 1, tuple(prefill_batch_sizes))
-        return GraphPool(modes, STEP_INPUTS, batch_sizes, device=self.device, backend=backend)
+        """A GraphPool with every mode over :data:`STEP_INPUTS` (prefill with its own sizes)."""
+        return GraphPool(self.modes(prefill_batch_sizes), STEP_INPUTS, batch_sizes, device=self.device,
+                         backend=backend)
 
     @torch.no_grad()
     def step(self, batch: StepBatch):
@@ -130,17 +147,18 @@ class Engine:
             self.tp.agree(f"eager_{name}", batch.bs, batch.bs)
         if name == "decode":
             return self.decode(seq_lens, rows)
-        if name == "verify":
-            return self.speculate(seq_lens, rows)
+        if name in self.tiers:
+            return self.speculate(seq_lens, rows, name)
         if name == "prefill":
             return self.prefill(rows)
-        raise ValueError(f"the engine has no step for mode {name!r}; its modes are decode, verify, prefill")
+        raise ValueError(f"the engine has no step for mode {name!r}; its modes are decode, {', '.join(self.tiers)}, "
+                         f"prefill")
 
     # ------------------------------------------------------------------------------------ the steps
     def prefill(self, rows: torch.Tensor) -> torch.Tensor:
         """Target and draft KV for prompt positions ``0..P-2`` (the prompt is already in token_table)."""
         t = self.prompt_len - 1
-        pos = self._const.prompt_cols.expand(rows.shape[0], t)
+        pos = self._prompt_cols.expand(rows.shape[0], t)
         meta = self.layouts.causal(rows, torch.zeros_like(rows), t)
         ids, flat = self.token_table[rows[:, None], pos].reshape(-1), pos.reshape(-1)
         for model, attn in ((self.target, self.target_attn), (self.draft, self.draft_attn)):
@@ -155,17 +173,18 @@ class Engine:
         hidden = self.target(self.token_table[rows, last], last, self.target_attn)
         return self.target.greedy(hidden, commit=(self.token_table, rows, seq_lens))  # token_table[row, n] = next
 
-    def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Draft a tree, verify it with the target, accept greedily, commit. Returns accept lengths ``[bs]``.
+    def speculate(self, seq_lens: torch.Tensor, rows: torch.Tensor, mode: str = "verify") -> torch.Tensor:
+        """Draft a tree of tier ``mode``, verify it with the target, accept greedily, commit. Returns accept
+        lengths ``[bs]``.
 
         With ``fused_draft_select`` (``spec.draft_select`` "fused", or "auto" on CUDA) the tree's selection
         (end of :meth:`_draft_tree`) and the acceptance with its commit each run as one Triton kernel
         (:mod:`bench.engine.tree_kernels`), besides the draft's index arithmetic
         (:mod:`bench.engine.draft_inputs`) and each draft level (:meth:`_draft_levels_fused`); else the torch ops."""
-        sp, n, bs, c = self.spec, seq_lens, rows.shape[0], self._const
-        inputs = draft_inputs(self.token_table, rows, n, sp.window, sp.steps, sp.topk, c.window_cols,
+        sp, n, bs, c = self.tiers[mode], seq_lens, rows.shape[0], self._consts[mode]
+        inputs = draft_inputs(self.token_table, rows, n, self.window, sp.steps, sp.topk, c.window_cols,
                               self.fused_draft_select)
-        tree = self._draft_tree(n, rows, inputs)
+        tree = self._draft_tree(n, rows, inputs, sp, c)
         # Verify: node i sits in the row's slot at column n-1+i (the root's own slot, then scratch columns).
         last = inputs.last
         self.target_attn.meta = self.layouts.tree(rows, last, tree.mask)
@@ -176,16 +195,16 @@ class Engine:
                                        self.req_to_token, self.token_table, c.tree_cols, c.commit_cols,
                                        self.fused_draft_select)
 
-    def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs):
-        sp, bs, c = self.spec, rows.shape[0], self._const
-        k, w = sp.topk, sp.window
+    def _draft_tree(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs, sp: SpecConfig,
+                    c: "_StepConstants"):
+        bs, k, w = rows.shape[0], sp.topk, self.window
         # Pass 1 re-reads the last `window` committed tokens: it (re)writes their draft KV, which covers
         # every token committed by the previous step, and scores the root's children.
         self.draft_attn.meta = self.layouts.causal(rows, inputs.start, w)
         hidden = self.draft(inputs.window_ids, inputs.window_pos, self.draft_attn)
         root_logits = self.draft.lm_head(hidden.view(bs, w, -1)[:, -1])
         if self.fused_draft_select:
-            return self._draft_levels_fused(n, rows, inputs, root_logits)
+            return self._draft_levels_fused(n, rows, inputs, root_logits, sp, c)
         # The torch ops (the CPU path and the fused path's oracle).
         root = draft_level(root_logits, None, k, DEPTH_PENALTY, 0, fused=False)
         cand_tok, cand_score = [root.tokens], [root.scores]
@@ -212,12 +231,12 @@ class Engine:
         return select_tree_fused(inputs.root, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1),
                                  c.cand_depth, sp.num_draft_tokens, sp.steps, fused=False)
 
-    def _draft_levels_fused(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs, root_logits: torch.Tensor):
+    def _draft_levels_fused(self, n: torch.Tensor, rows: torch.Tensor, inputs: DraftInputs, root_logits: torch.Tensor,
+                            sp: SpecConfig, c: "_StepConstants"):
         """:meth:`_draft_tree` from the root's logits on, one launch per level for each level's selection,
         candidates, parents and the next beam's ancestors (:func:`bench.engine.draft_select.draft_level_into`):
         the same tree as the torch loop there, without its concatenations, expand copies and gathers."""
-        sp, bs, c = self.spec, rows.shape[0], self._const
-        k, width = sp.topk, c.first_ancestors.shape[2]
+        bs, k, width = rows.shape[0], sp.topk, c.first_ancestors.shape[2]
         cands = Candidates.empty(bs, c.cand_depth.shape[0], rows.device)
         beam = draft_level_into(root_logits, None, k, DEPTH_PENALTY, 0, cands, width, 0 if sp.steps > 1 else None)
         offset = k
@@ -248,16 +267,15 @@ class Engine:
 
 
 class _StepConstants:
-    """Index tensors the steps use every time, made once (an ``arange`` inside a graph is a kernel)."""
+    """Index tensors a tier's steps use every time, made once (an ``arange`` inside a graph is a kernel)."""
 
-    def __init__(self, spec: SpecConfig, prompt_len: int, device: torch.device):
+    def __init__(self, spec: SpecConfig, window: int, device: torch.device):
         # Beam scratch columns: k per level after the first (the root's beam writes the first k, so at least k
         # even for a one-level tree, which has no later level)
         k, n_scratch = spec.topk, spec.topk * max(spec.steps - 1, 1)
-        self.window_cols = torch.arange(spec.window, device=device)
+        self.window_cols = torch.arange(window, device=device)
         self.tree_cols = torch.arange(spec.num_draft_tokens, device=device)
         self.commit_cols = torch.arange(spec.steps + 1, device=device)
-        self.prompt_cols = torch.arange(prompt_len - 1, device=device)
         self.root_parents = torch.full((1, k), -1, dtype=torch.long, device=device)
         self.first_beam = torch.arange(k, device=device)[None]
         self.eye = torch.eye(k, dtype=torch.bool, device=device)

@@ -1,12 +1,16 @@
 """The decode loop: requests arrive so that ``concurrency`` stay in flight, and every step runs one mode.
 
-How steps run (the four variants of the benchmark):
+How steps run (the variants of the benchmark):
 
 * ``plain``: every step a plain decode graph.
 * ``spec``: every step a speculative (draft + verify + accept) graph.
+* ``spec_<n>``: every step a speculative graph of the engine's shorter tier of ``n`` draft tokens (a fixed tier).
 * ``dynamic``: :class:`graphpool.SpeculationPolicy` picks the mode per step; both are graphs.
 * ``dynamic_eager_plain``: the same choice, but plain steps run eagerly, as on a server whose runner
   only holds verify graphs.
+* ``tiers``: a :class:`graphpool.TierSchedule` picks the tier per step (the draft length by batch size, plain
+  decode last), and hears each verify step's acceptance (:meth:`graphpool.TierSchedule.record`). The draft is
+  caught up only where speculation resumes after plain steps: every tier re-reads the same draft window.
 
 The host knows every sequence's length without asking the GPU, except after a verify step, whose
 accept lengths only the GPU knows. The loop does not wait for them (**run-ahead**): the next step's
@@ -37,14 +41,21 @@ from typing import Optional
 import numpy as np
 import torch
 
-from graphpool import GraphPool, SpeculationPolicy, StepBatch
+from graphpool import GraphPool, StepBatch, TierSchedule
 
 from .engine import Engine
 from .transfer import HostToDevice, advance_kernel_available, advance_lengths
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("plain", "spec", "dynamic", "dynamic_eager_plain")
+VARIANTS = ("plain", "spec", "dynamic", "dynamic_eager_plain", "tiers")
+#: The variants whose mode a policy chooses per step.
+CHOSEN = ("dynamic", "dynamic_eager_plain", "tiers")
+
+
+def fixed_tier_variants(engine: Engine) -> dict[str, str]:
+    """``spec_<n>`` -> the mode of the engine's shorter tier of ``n`` draft tokens (``spec`` runs ``verify``)."""
+    return {f"spec_{t.num_draft_tokens}": mode for mode, t in engine.tiers.items() if mode != "verify"}
 
 
 @dataclass(frozen=True)
@@ -74,11 +85,13 @@ class RunStats:
     concurrency: int
     tokens: int = 0
     seconds: float = 0.0
-    steps: dict = field(default_factory=lambda: {"decode": 0, "verify": 0, "eager_decode": 0})
+    steps: dict = field(default_factory=lambda: {"decode": 0, "verify": 0, "eager_decode": 0})  # per mode run
     draft_tokens_accepted: int = 0
     accept_rows: int = 0
+    by_tier: dict = field(default_factory=dict)  # verify mode -> [draft tokens accepted, rows]
     graph_misses: int = 0
-    catch_ups: int = 0
+    catch_ups: int = 0   # rows whose draft KV was caught up (after plain steps, before speculating again)
+    switches: int = 0    # steps whose chosen mode differed from the step before (a policy's variants)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     partial: dict[int, list[int]] = field(default_factory=dict)  # unfinished requests: tokens so far
 
@@ -90,6 +103,11 @@ class RunStats:
     def mean_accept(self) -> float:
         """Committed tokens per sequence per verify step (1 = nothing accepted; steps + 1 at most)."""
         return 1.0 + self.draft_tokens_accepted / self.accept_rows if self.accept_rows else 0.0
+
+    @property
+    def mean_accept_by_tier(self) -> dict[str, float]:
+        """:attr:`mean_accept` of each verify mode that ran."""
+        return {mode: 1.0 + tokens / rows for mode, (tokens, rows) in self.by_tier.items()}
 
 
 @dataclass
@@ -126,6 +144,7 @@ class _InFlight:
     """A verify step whose accept lengths the host has not read yet."""
 
     step: int
+    mode: str                            # the step's verify mode (tier)
     accepted: np.ndarray                 # host view the accept lengths land in
     event: Optional["torch.cuda.Event"]  # recorded after the copy (None on CPU: copied already)
     rids: np.ndarray                     # the step's requests, in batch order
@@ -147,9 +166,9 @@ class _AcceptRing:
         self.lens = [torch.zeros(max_rows, dtype=torch.int64, device=device) for _ in range(slots)]
         self.i = 0
 
-    def push(self, seq_lens: torch.Tensor, accepted: torch.Tensor, step: int,
+    def push(self, seq_lens: torch.Tensor, accepted: torch.Tensor, step: int, mode: str,
              rids: np.ndarray) -> tuple[_InFlight, torch.Tensor]:
-        """Queue the copies of one verify step (of requests ``rids``); returns its record and the next
+        """Queue the copies of one verify step of ``mode`` (of requests ``rids``); returns its record and the next
         step's ``seq_lens``."""
         self.i = (self.i + 1) % len(self.host)
         bs = accepted.shape[0]
@@ -159,7 +178,7 @@ class _AcceptRing:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return _InFlight(step, host.numpy(), event, rids), nxt
+        return _InFlight(step, mode, host.numpy(), event, rids), nxt
 
 
 class DecodeLoop:
@@ -168,8 +187,10 @@ class DecodeLoop:
     Args:
         engine: the engine (its pool captured with ``engine.step``).
         pool: the captured pool.
-        variant: one of :data:`VARIANTS`.
-        policy: the mode choice for the dynamic variants.
+        variant: one of :data:`VARIANTS`, or a fixed tier's ``spec_<n>`` (:func:`fixed_tier_variants`).
+        policy: the mode choice of the :data:`CHOSEN` variants: ``choose(bs)`` returns a mode, e.g. a
+            :class:`graphpool.SpeculationPolicy` or :class:`graphpool.TierSchedule` (whose ``record`` then hears
+            each verify step's mean committed tokens per sequence).
         run_ahead: verify steps whose accept lengths may stay unread when the next step is queued
             (0: read them after every verify step, a host sync per step; see the module docstring).
         wait_at_request_end: read the lengths whenever any request may have finished, so that batches
@@ -177,15 +198,21 @@ class DecodeLoop:
             ends; the step-by-step reference of the run-ahead tests).
     """
 
-    def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: SpeculationPolicy | None = None,
+    def __init__(self, engine: Engine, pool: GraphPool, variant: str, policy: TierSchedule | None = None,
                  run_ahead: int = 1, wait_at_request_end: bool = False):
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
-        if variant.startswith("dynamic") and policy is None:
-            raise ValueError(f"variant {variant!r} needs a SpeculationPolicy")
+        self._fixed = {"plain": "decode", "spec": "verify", **fixed_tier_variants(engine)}
+        if variant not in VARIANTS and variant not in self._fixed:
+            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS + tuple(self._fixed)[2:]}")
+        if variant in CHOSEN and policy is None:
+            raise ValueError(f"variant {variant!r} needs a policy (a SpeculationPolicy or TierSchedule)")
         if run_ahead < 0:
             raise ValueError(f"run_ahead must be >= 0, got {run_ahead}")
         self.engine, self.pool, self.variant, self.policy = engine, pool, variant, policy
+        self._record = getattr(policy, "record", None) if variant in CHOSEN else None
+        tiers = engine.tiers.values()
+        self._gain = max(t.steps for t in tiers) + 1  # the most tokens a verify step commits per sequence
+        # Columns a verify step writes past a row's length: its tree, or its draft's scratch.
+        self._scratch = max(max(t.num_draft_tokens, (t.steps - 1) * t.topk + 1) for t in tiers)
         self.run_ahead, self.wait_at_request_end = run_ahead, wait_at_request_end
         rows = engine.rows.num_rows
         self.h2d = HostToDevice(engine.device, max(2 * rows, rows * (engine.prompt_len + 1)))
@@ -203,11 +230,8 @@ class DecodeLoop:
         torch.cuda.synchronize(self.engine.device)
 
     def _mode(self, bs: int) -> str:
-        if self.variant == "plain":
-            return "decode"
-        if self.variant == "spec":
-            return "verify"
-        return self.policy.choose(bs)
+        fixed = self._fixed.get(self.variant)
+        return fixed if fixed is not None else self.policy.choose(bs)
 
     def run(self, requests: list[Request], concurrency: int, warmup_steps: int = 0, max_steps: int | None = None,
             min_seconds: float = 0.0, keep_outputs: bool = True) -> RunStats:
@@ -215,6 +239,7 @@ class DecodeLoop:
         timed steps (after ``warmup_steps`` untimed ones) have run and at least ``min_seconds`` passed.
         Throughput counts the tokens committed in the timed window (capped at each request's ``max_new``)."""
         eng, stats = self.engine, RunStats(self.variant, concurrency)
+        stats.steps = {m: 0 for m in ("decode", *eng.tiers, "eager_decode")}
         self._stats, self._warmup = stats, warmup_steps
         queue = list(reversed(requests))
         act = _Active()
@@ -222,12 +247,11 @@ class DecodeLoop:
         lens_dev = rows_dev = None  # the device inputs that follow the unread steps
         outputs: list[tuple[int, torch.Tensor]] = []
         misses0 = sum(self.pool.stats.misses.values())
-        gain = eng.spec.steps + 1  # the most tokens a verify step commits per sequence
         step, t0, last_mode = 0, None, None
         while True:
             while len(inflight) > self.run_ahead:
                 self._resolve(inflight.pop(0), act)
-            if inflight and self._must_wait(act, len(inflight), gain):
+            if inflight and self._must_wait(act, len(inflight)):
                 self._resolve_all(inflight, act)
             kept = self._retire(act, outputs, keep_outputs)  # positions (in the last step's batch) that stay
             n_kept = len(act.reqs)
@@ -243,26 +267,27 @@ class DecodeLoop:
                 t0 = time.perf_counter()
             bs = len(act.reqs)
             mode = self._mode(bs)
+            verify = mode in eng.tiers
             if inflight and mode != last_mode:
                 self._resolve_all(inflight, act)  # the next step needs exact host lengths
-            if mode == "verify" and not inflight:
-                stale = np.flatnonzero(act.draft_len < act.lens - eng.spec.window)
+            if verify and not inflight:
+                stale = np.flatnonzero(act.draft_len < act.lens - eng.window)
                 for i in stale:  # after plain steps: bring the draft KV up to the window before speculating
-                    eng.draft_catch_up(int(act.rows[i]), int(act.draft_len[i]), int(act.lens[i] - eng.spec.window))
+                    eng.draft_catch_up(int(act.rows[i]), int(act.draft_len[i]), int(act.lens[i] - eng.window))
                 stats.catch_ups += len(stale)
             if inflight:
                 seq_lens, rows = self._next_inputs(lens_dev, rows_dev, kept, act, n_kept)
             else:
                 dev = self.h2d(np.stack([act.lens, act.rows]))
                 seq_lens, rows = dev[0], dev[1]
-            if mode == "verify":
-                accepted = self.pool.run("verify", seq_lens=seq_lens, req_pool_indices=rows)
+            if verify:
+                accepted = self.pool.run(mode, seq_lens=seq_lens, req_pool_indices=rows)
                 if self.run_ahead:
-                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step, act.rids)
+                    record, lens_dev = self.accept_ring.push(seq_lens, accepted, step, mode, act.rids)
                     rows_dev = rows
                     inflight.append(record)
                 else:
-                    self._commit(step, "verify", accepted.cpu().numpy(), act)  # the one host sync of a step
+                    self._commit(step, mode, accepted.cpu().numpy(), act)  # the one host sync of a step
             elif self.variant == "dynamic_eager_plain":
                 self.engine.step(StepBatch(self.pool.modes["decode"], bs, bs, {"seq_lens": seq_lens,
                                                                                "req_pool_indices": rows}, captured=False))
@@ -271,10 +296,12 @@ class DecodeLoop:
             else:
                 self.pool.run("decode", seq_lens=seq_lens, req_pool_indices=rows)
                 self._commit(step, mode, np.ones(bs, np.int64), act)
+            kind = "decode" if mode == "eager_decode" else mode
             if step >= warmup_steps:
                 stats.steps[mode] += 1
+                stats.switches += last_mode is not None and kind != last_mode
             step += 1
-            last_mode = "decode" if mode == "eager_decode" else mode
+            last_mode = kind
         self._resolve_all(inflight, act)
         self._retire(act, outputs, keep_outputs)
         self._sync()
@@ -289,18 +316,18 @@ class DecodeLoop:
         stats.partial = {rid: t.cpu().tolist() for rid, t in partial}
         return stats
 
-    def _must_wait(self, act: _Active, unread: int, gain: int) -> bool:
+    def _must_wait(self, act: _Active, unread: int) -> bool:
         """Whether the host must read the unread steps' lengths before queueing another step: some request
         may have finished and either the loop waits at every request end, or every sequence may have
         finished (the next step could be all waste), or a sequence past its end would outgrow its row."""
+        gain = self._gain
         may_end = act.done + gain * unread >= act.limit
         if not may_end.any():
             return False
         if self.wait_at_request_end or may_end.all():
             return True
-        spec = self.engine.spec
         # Upper bound of each row's length for the next step, and the columns a verify step writes past it.
-        reach = act.lens + gain * unread + max(spec.num_draft_tokens, (spec.steps - 1) * spec.topk + 1, gain)
+        reach = act.lens + gain * unread + max(self._scratch, gain)
         return bool(np.any(reach > self.engine.max_context))
 
     def _next_inputs(self, lens_dev: torch.Tensor, rows_dev: torch.Tensor, kept: np.ndarray | None, act: _Active,
@@ -326,21 +353,27 @@ class DecodeLoop:
             accepted = accepted[here]
             assert np.array_equal(act.rids[:len(accepted)], rids[here])
         at = slice(0, len(accepted))
-        if mode == "verify":
+        verify = mode in self.engine.tiers
+        if verify:
             act.draft_len[at] = act.lens[at]  # the step's first draft pass wrote KV up to its input lengths
+            if self._record is not None and len(accepted):
+                self._record(mode, float(accepted.mean()))  # the schedule's acceptance feedback
         gained = np.minimum(accepted, act.limit[at] - act.done[at])
         act.lens[at] += accepted
         act.done[at] += gained
         if step >= self._warmup:
             self._stats.tokens += int(gained.sum())
-            if mode == "verify":
-                self._stats.draft_tokens_accepted += int((accepted - 1).sum())
+            if verify:
+                drafted = int((accepted - 1).sum())
+                self._stats.draft_tokens_accepted += drafted
                 self._stats.accept_rows += len(accepted)
+                tier = self._stats.by_tier.setdefault(mode, [0, 0])
+                tier[0], tier[1] = tier[0] + drafted, tier[1] + len(accepted)
 
     def _resolve(self, record: _InFlight, act: _Active) -> None:
         if record.event is not None:
             record.event.synchronize()
-        self._commit(record.step, "verify", record.accepted.copy(), act, record.rids)
+        self._commit(record.step, record.mode, record.accepted.copy(), act, record.rids)
 
     def _resolve_all(self, inflight: list[_InFlight], act: _Active) -> None:
         while inflight:

@@ -37,7 +37,9 @@ def _fake_sglang(root: Path, version: str, modules: list[str], srt_init: str = "
 
 @pytest.fixture(scope="module")
 def interpreter():
-    shared = SharedInterpreter(fresh=["sglang", "graphpool.integrations"],
+    # graphpool as a whole is forgotten too: run from a checkout (no install), graphpool.integrations exists only
+    # as graphpool's import registers it (graphpool/_layout.py), so forgetting the subpackage alone loses it.
+    shared = SharedInterpreter(fresh=["sglang", "graphpool"],
                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     yield shared
     shared.close()

@@ -35,6 +35,8 @@ from .versions import UnsupportedModelError, check_interfaces, check_version
 
 #: Layer types (``config.layer_types``) whose attention the slot cache serves.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+#: Configuration fields of recurrent (state-space) layers (and any ``mamba_*`` or ``ssm_*`` field).
+RECURRENT_FIELDS = frozenset({"state_size", "conv_kernel", "time_step_rank", "linear_conv_kernel_dim"})
 #: ``config._attn_implementation`` values served: both apply a 4-D additive mask as given.
 ATTENTION = ("sdpa", "eager")
 #: Arguments attention may receive that the grouped attention computes the same way (others: transformers' own).
@@ -107,6 +109,12 @@ def check_config(model: Any) -> None:
     if model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{name} has no language-model head (get_output_embeddings() is None): pass the "
                                     f"*ForCausalLM model, not its base model")
+    recurrent = sorted(k for k in config.to_dict() if k in RECURRENT_FIELDS or k.startswith(("mamba_", "ssm_")))
+    if recurrent:
+        raise UnsupportedModelError(
+            f"{name} has recurrent (state-space) layers (its config sets {recurrent[:4]}): their state is carried from "
+            f"token to token, not kept as keys in a Cache, so a slot cache cannot hold it. Served: decoder layers of "
+            f"types {list(ATTENTION_LAYERS)} whose attention runs through transformers' attention interface")
     types = getattr(config, "layer_types", None) or ()
     other = sorted(set(types) - set(ATTENTION_LAYERS))
     if other:
@@ -147,9 +155,14 @@ class _ProbeLayer(CacheLayerMixin):
         return 2, 0
 
     def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return 0
+        raise NotImplementedError(
+            "the model asked its cache for one sequence length; a slot cache holds many sequences at their own "
+            "positions, so only models that take each token's position from position_ids are served")
 
-    def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:
+    def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:  # transformers < 5.17's name
+        return -1
+
+    def get_max_length(self, *args: Any, **kwargs: Any) -> int:
         return -1
 
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:

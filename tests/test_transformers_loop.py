@@ -1,6 +1,6 @@
 """graphpool.integrations.transformers: greedy tokens of the pool's loop equal ``model.generate(do_sample=False)``
-per prompt (the oracle), for plain-only and mixed (plain + prompt lookup) loops, Llama and Qwen3 (Qwen2 and
-Mistral once), prompts of different lengths, requests ending at different steps (EOS and max tokens), a batch
+per prompt (the oracle), for plain-only and mixed (plain + prompt lookup) loops, Llama and Qwen3 (every other
+family: test_transformers_families.py), prompts of different lengths, requests ending at different steps (EOS and max tokens), a batch
 larger than every graph (eager misses) and debug mode; and a wrong dummy-slot fill that the oracle catches.
 
 CPU: the pool's eager twin. GPU (``-m gpu``): the same tests, float32, real CUDA graphs."""

@@ -65,6 +65,8 @@ def load_smollm2(folder: str | os.PathLike | None = None) -> tuple[Any, Any]:
     if not (target / "config.json").exists():
         _convert(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
+    if tokenizer.pad_token is None:  # the GGUF file names none; the checkpoint's own pads with its EOS, <|im_end|>
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), tokenizer
 

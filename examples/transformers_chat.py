@@ -21,16 +21,16 @@ prompts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, paddi
 
 # The cache (4 chats of up to 160 tokens) and the graphs of decode and verify (1 + 4 drafts): built here, once.
 generator = PoolGenerator(model, max_len=160, batch_sizes=[1, 2, 4], num_draft_tokens=4, tokenizer=tokenizer)
-result = generator.generate(prompts, max_new_tokens=40)  # greedy, as the checkpoint's generation_config says
+result = generator.generate(prompts, max_new_tokens=32)  # greedy, as the checkpoint's generation_config says
 for question, answer, why in zip(questions, tokenizer.batch_decode(result.tokens, skip_special_tokens=True),
                                  result.finish):
     print(f"{question!r} -> {answer!r} ({why})")
 print("prompt lookup:", result.summary())
-plain = generator.generate(prompts, max_new_tokens=40, policy=gp.SpeculationPolicy(off_above=0))
+plain = generator.generate(prompts, max_new_tokens=32, policy=gp.SpeculationPolicy(off_above=0))
 print("plain decode: ", plain.summary())
 
 # Sampling runs on the same graphs: the settings are step inputs, no new capture.
-sampled = generator.generate(prompts, max_new_tokens=40, do_sample=True, temperature=0.7, top_p=0.9, seed=0,
+sampled = generator.generate(prompts, max_new_tokens=32, do_sample=True, temperature=0.7, top_p=0.9, seed=0,
                              stop_strings=["."])
 print("sampled, up to the first full stop:", tokenizer.batch_decode(sampled.tokens, skip_special_tokens=True),
       sampled.finish)

@@ -212,3 +212,16 @@ def test_cache_dtype_other_than_the_models(model):
     assert [len(t) for t in narrow.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).tokens] == [NEW] * 3
     with pytest.raises(ValueError, match="floating torch.dtype"):
         tfm.SlotCache(model, num_slots=2, max_len=8, dtype=torch.int8)
+
+
+def test_a_generation_config_passed_and_a_mask_passed_apart(model, generator):
+    from transformers import GenerationConfig
+    want = reference(model, PROMPTS, [NEW] * 3, [], repetition_penalty=1.5)
+    config = GenerationConfig(repetition_penalty=1.5, max_new_tokens=NEW, eos_token_id=[], do_sample=False)
+    assert generator.generate(PROMPTS, config).tokens == want
+    longest = max(map(len, PROMPTS))
+    left = [[0] * (longest - len(p)) + p for p in PROMPTS]
+    mask = [[0] * (longest - len(p)) + [1] * len(p) for p in PROMPTS]
+    assert generator.generate(left, config, attention_mask=mask).tokens == want
+    with pytest.raises(TypeError, match="GenerationConfig"):
+        generator.generate(PROMPTS, 12)

@@ -108,6 +108,14 @@ def test_supported_releases_pass_and_a_newer_one_warns_once():
         tfm.check_version("5.26.0")  # once per release
 
 
+def test_the_extra_never_downgrades_a_newer_release():
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "pyproject.toml")).read()
+    extra = text.split("\ntransformers = [", 1)[1].split("]", 1)[0]
+    assert extra == '"transformers>=5.6"', extra  # a floor only: pip keeps whatever newer release is installed
+
+
 def test_a_changed_interface_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch):
     """A newer release whose interfaces changed: the construction-time check names what changed."""
     from graphpool.integrations.transformers import versions

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = ["What is the capital of France?",
              "Rewrite this sentence exactly: The quick brown fox jumps over the lazy dog.",
              "List the days of the week.", "Write a haiku about the sea."]
-NEW = 32
+NEW = 24
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,8 @@ INTERFACES: dict[str, Callable[[], bool]] = {
         "transformers.generation", "StopStringCriteria.__init__", "tokenizer", "stop_strings"),
     "transformers.GenerationConfig.update(**kwargs) returning the unused keys": _takes(
         "transformers", "GenerationConfig.update"),
+    "GenerationConfig._get_default_generation_params() (generate()'s defaults)": lambda: callable(
+        getattr(importlib.import_module("transformers").GenerationConfig, "_get_default_generation_params", None)),
 }
 
 

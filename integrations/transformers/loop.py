@@ -178,7 +178,7 @@ class PoolGenerator:
                              "num_draft_tokens > 0, or pass policy=None for plain decode")
         counts = per_request(max_new_tokens, len(prompts), "max_new_tokens")
         streamers = streamers_for(streamer, len(prompts))
-        drafts = self.num_draft_tokens
+        drafts = max(self.draft_tokens(mode) for mode in self.pool.modes)  # room for the longest step
         vocab = self.forward.vocab
         requests = []
         for i, (prompt, count, stream) in enumerate(zip(prompts, counts, streamers)):

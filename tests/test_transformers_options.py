@@ -225,3 +225,16 @@ def test_a_generation_config_passed_and_a_mask_passed_apart(model, generator):
     assert generator.generate(left, config, attention_mask=mask).tokens == want
     with pytest.raises(TypeError, match="GenerationConfig"):
         generator.generate(PROMPTS, 12)
+
+
+@pytest.mark.gpu
+def test_options_and_sampling_with_cuda_graphs():
+    """Real CUDA graphs: the processors, warpers and draws captured (sort, scatter, searchsorted), two windows."""
+    model = tiny_model("gemma3", "cuda")
+    want = reference(model, PROMPTS, [NEW] * 3, [], repetition_penalty=1.3)
+    generator = tfm.PoolGenerator(model, max_len=40, batch_sizes=(1, 2, 4), num_draft_tokens=3)
+    for result in both(generator, max_new_tokens=NEW, eos_token_id=[], repetition_penalty=1.3):
+        assert result.tokens == want and result.misses == 0
+    sampled = [generator.generate(PROMPTS, max_new_tokens=NEW, do_sample=True, top_p=0.9, seed=0).tokens
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the draws come from the seeded host generator

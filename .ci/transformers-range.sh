@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI, the transformers releases besides CI's main one (5.6.0, the oldest supported and SGLang 0.5.12.post1's pin,
 # in .ci/run's venv): graphpool.integrations.transformers' CPU tests against each release's real classes.
-#   newest (5.25.0): every tiny-model test (22 families, generate()'s options, the statistical test of sampling
-#                    and speculation, the loop, the parts, the example, the benchmark's smoke run);
+#   newest (5.25.0): every tiny-model test, long versions included (22 families, generate()'s options, the
+#                    statistical test of sampling and speculation, the loop, the parts, the example, the
+#                    benchmark's smoke run);
 #   between (5.17.0): the 22 families, greedy in plain and prompt-lookup modes.
 # The real checkpoint's tests run once, in the main venv (they are the heaviest).
 #
@@ -39,6 +40,6 @@ for version in "${versions[@]}"; do
     tests=$ALL
     [ "$version" = 5.17.0 ] && tests=$BETWEEN
     echo "transformers range: $version"
-    PYTHONPATH="$target" python -m pytest -q -p no:cacheprovider $tests || rc=1
+    PYTHONPATH="$target" python -m pytest -q -p no:cacheprovider --runslow $tests || rc=1
 done
 exit "$rc"

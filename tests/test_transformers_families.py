@@ -17,7 +17,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [11, 12, 13, 14, 11, 12, 13, 15, 11, 12]
 NEW = 14
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+#: The twelve families the default suite runs; the other ten are the long version (--runslow; CI runs them all).
+DEFAULT = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3", "phi3", "gpt_neox", "olmo2", "granite", "mixtral",
+           "smollm3")
+
+
+@pytest.mark.parametrize("family", [f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_family_tokens_equal_generate_plain_and_prompt_lookup(family: str):
     model = tiny_model(family)
     want = reference(model, PROMPTS, [NEW] * len(PROMPTS), [])

@@ -156,6 +156,7 @@ def sample(generator, prompt: list[int], policy, seed: int) -> tfm.GenerationRes
                               **SETTINGS)
 
 
+@pytest.mark.slow  # ~8 s with the next one: CI runs them (--runslow), on the oldest and the newest release
 def test_sampled_distributions_with_and_without_speculation_equal_generate(sampled):
     model, prompt, generator, hf = sampled
     bound = l1_bound(SAMPLES, VOCAB)
@@ -171,6 +172,7 @@ def test_sampled_distributions_with_and_without_speculation_equal_generate(sampl
         assert max(found) < bound, (name, found, bound)
 
 
+@pytest.mark.slow
 def test_a_wrong_acceptance_rule_fails_the_same_check(sampled, monkeypatch: pytest.MonkeyPatch):
     from graphpool.integrations.transformers import sampling
     model, prompt, generator, _ = sampled

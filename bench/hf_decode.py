@@ -241,9 +241,10 @@ def pool_runs(generator: Any, batches: dict[int, Batch], args: argparse.Namespac
     runs = []
     for bs, batch in batches.items():
         def call(batch=batch):
-            policy = gp.SpeculationPolicy(off_above=top) if speculate else None  # speculate at every size...
+            policy = gp.SpeculationPolicy(off_above=top if speculate else 0)  # speculate at every size (or none)...
             gate = gp.AcceptanceGate(min_accept=1.3, window=8, pause_steps=32) if speculate else None  # ...that pays
-            return generator.generate(batch.prompts, args.new_tokens, eos_token_id=[], policy=policy, gate=gate)
+            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], do_sample=False,
+                                      policy=policy, gate=gate)
 
         def extra(result):
             return {"accept": result.accept_per_verify, "steps": len(result.steps), "misses": result.misses,

@@ -1,8 +1,10 @@
 """examples/transformers_decode.py runs as written, and its tokens are ``model.generate(do_sample=False)``'s
-for each prompt (the oracle); the snippet in integrations/transformers/README.md stays short and in step."""
+for each prompt (the oracle); the README's transformers section stays short, repeated in
+integrations/transformers/README.md, and its links exist (its snippet runs in test_transformers_real.py)."""
 from __future__ import annotations
 
 import os
+import re
 import runpy
 
 import pytest
@@ -40,10 +42,20 @@ def test_example_tokens_equal_generate_with_cuda_graphs(capsys: pytest.CaptureFi
     check_example(capsys)  # the example picks CUDA where there is one: real graphs, float32
 
 
-def test_readme_snippet_is_short_and_names_what_exists():
-    text = open(os.path.join(ROOT, "integrations", "transformers", "README.md")).read()
-    section = text.split("\n<!--")[0].split("\n## ")[0]  # the section, without the note below it
-    assert len(section.strip().splitlines()) <= 14, "the README section must read in a minute"
-    for name in ("PoolGenerator", "SpeculationPolicy", "generate"):
-        assert name in section and (hasattr(tfm, name) or name == "SpeculationPolicy")
-    assert "examples/transformers_decode.py" in section and "docs/transformers.md" in section
+def readme_section() -> str:
+    """The top README's transformers section (its heading on), as integrations/transformers/README.md repeats it."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    return text[text.index("## Custom decode loops"):text.index("## SGLang")]
+
+
+def test_readme_section_is_short_repeated_and_links_what_exists():
+    section = readme_section()
+    assert len(section.strip().splitlines()) <= 22, "the README section must read in a minute"
+    mirror = open(os.path.join(ROOT, "integrations", "transformers", "README.md")).read().split("\n<!--")[0]
+    assert mirror.strip() == section.replace("## Custom decode loops", "## Hugging Face transformers", 1).strip()
+    for link in re.findall(r"\]\(([^)#]+)\)", section):
+        assert os.path.exists(os.path.join(ROOT, link)), link
+    assert "import graphpool as gp" in section and "GenerationResult" in section
+    for name in ("PoolGenerator", "load_smollm2"):
+        assert name in section and hasattr(tfm, name)
+    assert len(open(os.path.join(ROOT, "README.md"), "rb").read()) <= 10 * 1024, "README.md must stay <= 10 KB"

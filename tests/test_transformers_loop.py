@@ -1,6 +1,6 @@
 """graphpool.integrations.transformers: greedy tokens of the pool's loop equal ``model.generate(do_sample=False)``
-per prompt (the oracle), for plain-only and mixed (plain + prompt lookup) loops, Llama and Qwen3 (Qwen2 and
-Mistral once), prompts of different lengths, requests ending at different steps (EOS and max tokens), a batch
+per prompt (the oracle), for plain-only and mixed (plain + prompt lookup) loops, Llama and Qwen3 (every other
+family: test_transformers_families.py), prompts of different lengths, requests ending at different steps (EOS and max tokens), a batch
 larger than every graph (eager misses) and debug mode; and a wrong dummy-slot fill that the oracle catches.
 
 CPU: the pool's eager twin. GPU (``-m gpu``): the same tests, float32, real CUDA graphs."""
@@ -51,9 +51,10 @@ def oracle(family: str, device: str) -> tuple[torch.nn.Module, list[int], list[l
 
 def run(model: torch.nn.Module, eos: list[int], mixed: bool, **kw) -> tfm.GenerationResult:
     generator = tfm.PoolGenerator(model, max_len=48, max_batch=6, batch_sizes=BATCH_SIZES, num_draft_tokens=3, **kw)
-    policy = gp.SpeculationPolicy(off_above=2) if mixed else None  # verify only once <= 2 requests run
+    # verify only once <= 2 requests run; never for the plain loop (no policy would speculate at every step)
+    policy = gp.SpeculationPolicy(off_above=2 if mixed else 0)
     try:
-        return generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos, policy=policy)
+        return generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=eos, policy=policy)
     finally:
         generator.close()
 
@@ -84,23 +85,13 @@ def test_transformers_own_sdpa_mixed_loop_equals_generate(device: str):
     assert run(model, eos, mixed=True, grouped_attention=False).tokens == want
 
 
-@pytest.mark.parametrize("family_name", ["qwen2", "mistral"])
-def test_other_families_mixed_loop_equals_generate(family_name: str):
-    model = tiny_model(family_name)
-    prompts, max_new = PROMPTS[:3], MAX_NEW[:3]
-    want = reference(model, prompts, max_new, [])
-    generator = tfm.PoolGenerator(model, max_len=48, batch_sizes=(1, 2), num_draft_tokens=3)
-    result = generator.generate(prompts, max_new, eos_token_id=[], policy=gp.SpeculationPolicy(off_above=2))
-    assert result.tokens == want and result.steps_of("verify")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_attention_and_waiting_prompts(device: str):
     """transformers' eager attention adds the mask itself; 6 prompts through 3 slots wait for free ones."""
     model = tiny_model("llama", device, attn="eager")
     want = reference(model, PROMPTS, MAX_NEW, [])
     generator = tfm.PoolGenerator(model, max_len=48, max_batch=3, batch_sizes=(1, 2), num_draft_tokens=2)
-    result = generator.generate(PROMPTS, MAX_NEW, eos_token_id=[], policy=gp.SpeculationPolicy(off_above=3))
+    result = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[], policy=gp.SpeculationPolicy(off_above=3))
     assert result.tokens == want
     assert max(s.batch_size for s in result.steps) == 3 and result.steps_of("verify")
     assert generator.cache.free_slots == 3  # every slot given back
@@ -119,7 +110,7 @@ def test_wrong_dummy_slot_fill_changes_the_output(device: str):
 
     for inputs, equal in ((tfm.step_inputs, True), (wrong_fill, False)):
         generator = tfm.PoolGenerator(model, max_len=48, batch_sizes=(4,), num_draft_tokens=0, inputs=inputs)
-        got = generator.generate(prompts, max_new, eos_token_id=[]).tokens
+        got = generator.generate(prompts, max_new_tokens=max_new, eos_token_id=[]).tokens
         assert got[0][0] == want[0][0]  # the first token comes from the eager prefill, before any padded row
         assert (got == want) is equal, (inputs.__name__, got, want)
         if not equal:
@@ -132,7 +123,7 @@ def test_runs_with_autograd_on_and_keeps_the_cache_out_of_it():
     model = tiny_model("llama")
     assert torch.is_grad_enabled() and next(model.parameters()).requires_grad
     generator = tfm.PoolGenerator(model, max_len=32, batch_sizes=(1, 2), num_draft_tokens=2)
-    result = generator.generate(PROMPTS[:2], 8, eos_token_id=[], policy=gp.SpeculationPolicy(off_above=2))
+    result = generator.generate(PROMPTS[:2], max_new_tokens=8, eos_token_id=[], policy=gp.SpeculationPolicy(off_above=2))
     assert result.tokens == reference(model, PROMPTS[:2], [8, 8], [])
     layer = generator.cache.layers[0]
     assert not layer.keys.requires_grad and layer.keys.grad_fn is None and layer.keys.is_inference()
@@ -149,9 +140,10 @@ def test_build_pool_sampler_feeds_both_modes(device: str):
         for bs in (1, 3, 4):
             inputs = sample(mode, bs, seed=bs)
             with torch.inference_mode():
-                got = pool.run(mode, copy=True, **inputs)["next"]
-            assert got.shape == (bs * width,) and got.dtype == torch.int64
-            assert ((0 <= got) & (got < model.config.vocab_size)).all()
+                got = pool.run(mode, copy=True, **inputs)["out"]
+            assert got.shape == (bs * width, 4) and got.dtype == torch.float64
+            tokens = got[:, 0]
+            assert ((0 <= tokens) & (tokens < model.config.vocab_size)).all() and (tokens == tokens.round()).all()
     pool.close()
 
 
@@ -162,8 +154,8 @@ def test_prefill_in_several_batches_under_a_token_budget():
                                   prefill_tokens=20)
     calls = []
     prefill = generator.forward.prefill
-    generator.forward.prefill = lambda prompts, slots: calls.append(len(prompts)) or prefill(prompts, slots)
-    assert generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos).tokens == want
+    generator.forward.prefill = lambda prompts, *args: calls.append(len(prompts)) or prefill(prompts, *args)
+    assert generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=eos).tokens == want
     assert len(calls) > 1 and sum(calls) == len(PROMPTS) and max(calls) <= 2  # prompts of 9-11 tokens, 20 a batch
 
 
@@ -181,7 +173,7 @@ def test_a_failed_generation_gives_its_slots_back():
 
     generator.pool.run = fail_on_the_fifth
     with pytest.raises(KeyboardInterrupt):
-        generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos)
+        generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert generator.cache.free_slots == 6
     generator.pool.run = run_step
-    assert generator.generate(PROMPTS, MAX_NEW, eos_token_id=eos).tokens == want
+    assert generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=eos).tokens == want

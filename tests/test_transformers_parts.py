@@ -11,7 +11,7 @@ import torch
 import graphpool as gp
 from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 from tests.hf_models import needs_transformers, tfm
-from tests.hf_models import tiny_model
+from tests.hf_models import reference, tiny_model
 
 pytestmark = needs_transformers
 
@@ -119,48 +119,109 @@ def test_cache_refuses_a_forward_without_bind():
 
 
 @pytest.mark.parametrize("version, why", [("4.57.1", "older releases"), ("5.5.4", "older releases"),
-                                          ("5.25.0", "newer than every release"), ("dev", "not a release number")])
-def test_unsupported_releases_are_refused(version: str, why: str):
+                                          ("dev", "not a release number")])
+def test_old_releases_are_refused(version: str, why: str):
     with pytest.raises(tfm.UnsupportedModelError, match=why) as e:
         tfm.check_version(version)
-    assert f"found transformers {version}" in str(e.value) and "5.6.0 to 5.24.x" in str(e.value)
+    assert f"found transformers {version}" in str(e.value) and "5.6.0 and later" in str(e.value)
 
 
-def test_supported_releases_pass():
-    for version in ("5.6.0", "5.17.0", "5.24.0", "5.24.3", tfm.versions.transformers_version()):
-        tfm.check_version(version)
+def test_supported_releases_pass_and_a_newer_one_warns_once():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a tested release
+        for version in ("5.6.0", "5.17.0", "5.24.3", "5.25.0", "5.25.9"):
+            tfm.check_version(version)
+    with pytest.warns(tfm.UntestedReleaseWarning, match="transformers 5.26.0 is newer than every release"):
+        tfm.check_version("5.26.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tfm.check_version("5.26.0")  # once per release
 
 
-def test_unsupported_attention_family_and_window_are_refused():
+def test_the_extra_never_downgrades_a_newer_release():
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "pyproject.toml")).read()
+    extra = text.split("\ntransformers = [", 1)[1].split("]", 1)[0]
+    assert extra == '"transformers>=5.6"', extra  # a floor only: pip keeps whatever newer release is installed
+
+
+def test_a_changed_interface_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch):
+    """A newer release whose interfaces changed: the construction-time check names what changed."""
+    from graphpool.integrations.transformers import versions
+    tfm.check_interfaces()  # the installed release has them all
+    name = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
+    monkeypatch.setitem(versions.INTERFACES, name, lambda: False)
+    with pytest.raises(tfm.UnsupportedModelError, match="changed interfaces .*sdpa_attention_forward"):
+        tfm.PoolGenerator(tiny_model("llama"), max_len=16)
+    from transformers.cache_utils import Cache
+    monkeypatch.setitem(versions.INTERFACES, name, lambda: True)
+    monkeypatch.setattr(Cache, "__init__", lambda self, layers_list=None: None)  # a renamed argument
+    with pytest.raises(tfm.UnsupportedModelError, match=r"Cache\(layers=...\)"):
+        tfm.check_interfaces()
+
+
+def test_unsupported_attention_and_structures_are_refused_with_their_reason():
+    import transformers
     model = tiny_model("llama")
     model.set_attn_implementation("flex_attention")
     with pytest.raises(tfm.UnsupportedModelError, match="attention implementation 'flex_attention'.*sdpa"):
         tfm.PoolGenerator(model, max_len=16)
-    import transformers
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(tfm.UnsupportedModelError, match="model type 'gpt2'"):
-        tfm.SlotCache(gpt2, num_slots=2, max_len=16)
-    mistral = tiny_model("mistral")  # window 512
-    tfm.SlotCache(mistral, num_slots=2, max_len=512)
-    with pytest.raises(tfm.UnsupportedModelError, match="sliding window of 512 tokens, shorter than max_len 513"):
-        tfm.SlotCache(mistral, num_slots=2, max_len=513)
-    with pytest.raises(tfm.UnsupportedModelError, match="no lm_head"):
+    with pytest.raises(tfm.UnsupportedModelError, match="no language-model head"):
         tfm.SlotCache(tiny_model("llama").model, num_slots=2, max_len=16)
+    t5 = transformers.T5ForConditionalGeneration._from_config(
+        transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=50), attn_implementation="eager")
+    with pytest.raises(tfm.UnsupportedModelError, match="encoder-decoder"):
+        tfm.PoolGenerator(t5.eval(), max_len=16)
+    mamba = transformers.MambaForCausalLM._from_config(
+        transformers.MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=50), attn_implementation="eager")
+    with pytest.raises(tfm.UnsupportedModelError, match="recurrent"):
+        tfm.PoolGenerator(mamba.eval(), max_len=16)
+    falcon = transformers.FalconForCausalLM._from_config(
+        transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=50),
+        attn_implementation="sdpa")
+    # Falcon computes its attention outside the interface (5.6) or asks its cache for one length (5.25).
+    with pytest.raises(tfm.UnsupportedModelError, match="attention interface|one sequence length"):
+        tfm.PoolGenerator(falcon.eval(), max_len=16)
+    chunked = tiny_model("llama")
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(tfm.UnsupportedModelError, match="chunked attention"):
+        tfm.PoolGenerator(chunked, max_len=16)
+    trained = tiny_model("llama").train()
+    with pytest.raises(tfm.UnsupportedModelError, match=r"training mode .*model.eval\(\)"):
+        tfm.PoolGenerator(trained, max_len=16)
 
 
-def test_requests_that_do_not_fit_are_refused():
+def test_a_window_the_attention_never_receives_is_refused():
+    """A sliding-window layer by configuration whose attention gets no window: the step could not mask it."""
+    from graphpool.integrations.transformers import structure
+    model = tiny_model("gemma3")
+    seen, calls = [(0, (1, 2, 2, 16), None), (1, (1, 2, 2, 16), None)], []
+    module = model.model.layers[0].self_attn
+    calls = [(module, (1, 4, 2, 16), None, {}), (model.model.layers[1].self_attn, (1, 4, 2, 16), None, {})]
+    with pytest.raises(tfm.UnsupportedModelError, match="layer 0 is a sliding-window layer .* does not receive"):
+        structure._layout(model, 2, seen, calls, torch.float32)
+
+
+def test_requests_that_do_not_fit_are_refused_and_leave_the_generator_usable():
     model = tiny_model("llama")
     generator = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=2)
     with pytest.raises(ValueError, match=r"prompt 1: 10 tokens \+ max_new_tokens 5 \+ 2 drafts exceed .* max_len 16"):
-        generator.generate([[1], [2] * 10], 5, policy=gp.SpeculationPolicy(off_above=1))
-    generator.generate([[1], [2] * 10], 6, eos_token_id=[])  # no drafts without a policy: 16 fit
-    with pytest.raises(ValueError, match="non-empty list of token ids in"):
-        generator.generate([[]], 2)
+        generator.generate([[1], [2] * 10], max_new_tokens=5)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generator.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside"):
+        generator.generate([[1, 500]], max_new_tokens=2)
     with pytest.raises(ValueError, match="one per prompt"):
-        generator.generate([[1], [2]], [3])
+        generator.generate([[1], [2]], max_new_tokens=[3])
+    assert generator.cache.free_slots == 1
+    assert generator.generate([[1], [2] * 10], max_new_tokens=4, eos_token_id=[]).tokens == reference(
+        model, [[1], [2] * 10], [4, 4], [])
     plain = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=0)
     with pytest.raises(ValueError, match="num_draft_tokens > 0"):
-        plain.generate([[1]], 2, policy=gp.SpeculationPolicy(off_above=1))
+        plain.generate([[1]], max_new_tokens=2, policy=gp.SpeculationPolicy(off_above=1))
+    assert plain.generate([], max_new_tokens=2).tokens == [] and tfm.generate(model, []).tokens == []
 
 
 def test_no_prompts_get_the_same_empty_result_from_both_entry_points():
@@ -199,18 +260,17 @@ def test_grouped_attention_equals_transformers_sdpa():
     assert not torch.allclose(wrong, want, atol=1e-3)  # the check can fail: rows read their own positions
 
 
-def test_grouped_attention_is_on_only_inside_the_step():
+def test_the_step_attention_is_on_only_inside_the_step():
     model = tiny_model("qwen3")
     generator = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0)
     seen = []
     attention = model.model.layers[0].self_attn
     attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
-    generator.generate([[1, 2, 3]], 3, eos_token_id=[])
-    assert seen and set(seen) == {"graphpool_grouped_sdpa"} and model.config._attn_implementation == "sdpa"
+    generator.generate([[1, 2, 3]], max_new_tokens=3, eos_token_id=[])
+    assert seen and set(seen) == {generator.forward.attention} and model.config._attn_implementation == "sdpa"
+    assert generator.forward.grouped
     plain = tfm.PoolGenerator(model, max_len=24, batch_sizes=(1,), num_draft_tokens=0, grouped_attention=False)
-    seen.clear()
-    plain.generate([[1, 2, 3]], 3, eos_token_id=[])
-    assert set(seen) == {"sdpa"}
+    assert not plain.forward.grouped and plain.forward.attention != generator.forward.attention
 
 
 def test_static_cache_fails_at_the_second_batch_size_and_the_remedy_names_slot_cache():

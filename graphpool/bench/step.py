@@ -133,7 +133,7 @@ def make_transformers(device: torch.device, max_tokens: int, max_len: int = 256)
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from graphpool.integrations.transformers import SlotCache, step as hf_step
+        from graphpool.integrations.transformers import SlotCache, sampling, step as hf_step
     except ImportError as exc:
         raise StepSpecError(f"--step transformers needs transformers ({exc}); pip install transformers, or use "
                             f"--step default") from None
@@ -154,10 +154,12 @@ def make_transformers(device: torch.device, max_tokens: int, max_len: int = 256)
         starts = torch.randint(0, max_len - width + 1, (bs, 1))
         return {"input_ids": torch.randint(0, config.vocab_size, (bs * width,), device=device),
                 "positions": (starts + torch.arange(width)).view(-1).to(device),
-                "slots": torch.arange(1, bs + 1, device=device)}
+                "slots": torch.arange(1, bs + 1, device=device),
+                "sampling": torch.tensor([sampling.NEUTRAL] * bs, dtype=torch.float32, device=device),  # greedy
+                "uniforms": torch.rand(bs * width, 2, device=device)}
 
     return BenchStep(hf_step.step_inputs(cache, config.vocab_size), step_fn, sample, outputs=hf_step.STEP_OUTPUTS,
-                     check="next")
+                     check="out")
 
 
 BUILT_IN: dict[str, Callable[..., BenchStep]] = {"default": make, "sglang": make_sglang,

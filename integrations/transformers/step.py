@@ -1,10 +1,11 @@
-"""One decode step of a transformers model over a :class:`SlotCache`: the pool's declarations and the step.
+"""One step of a transformers model over a :class:`SlotCache`: the pool's declarations and the step function.
 
 Every mode's step is the same function: ``tokens_per_seq`` tokens for each of ``bs`` rows, at the positions
 the caller passes, in the slot each row owns. Plain decode is ``Mode("decode", 1)``; prompt-lookup
 verification is ``Mode("verify", 1 + num_draft_tokens)`` (each row's last committed token, then its drafts).
-The step returns the greedy next token after every input token (``"next"``, one row per token): a verify
-row's drafts are accepted while they equal the token predicted before them.
+The step returns, for every input token, the choice of :func:`~.sampling.choose` (``"out"``, one row per
+token): the next token as ``generate()`` would choose it (greedy or sampled, per row), and whether the draft
+after it is accepted.
 """
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ import torch
 
 import graphpool as gp
 
-from .attention import grouped_attention
+from .attention import register, slot_attention
 from .cache import DUMMY_SLOT, SlotCache
+from .sampling import DRAFTS, PARAMS, choose, seen_tokens
+from .structure import attention_implementation, cache_argument
 
 DECODE, VERIFY = "decode", "verify"
 
-#: The output rule for :func:`~graphpool.GraphPool.capture`: ``next`` has one row per token.
-STEP_OUTPUTS = {"next": "token"}
+#: The output rule for :func:`~graphpool.GraphPool.capture`: ``out`` has one row per token
+#: (``[N, 4]`` float64, the columns of :data:`~.sampling.OUT`).
+STEP_OUTPUTS = {"out": "token"}
 
 
 def step_modes(num_draft_tokens: int, batch_sizes: tuple[int, ...] | None = None,
@@ -40,86 +44,120 @@ def step_inputs(cache: SlotCache, vocab_size: int) -> list[gp.StepInput]:
     * ``input_ids`` (per token, fill 0, bounds ``[0, vocab_size)``);
     * ``positions`` (per token, fill 0, bounds ``[0, max_len)``): where each token sits in its sequence; the
       mask lets it see keys at positions ``<=`` its own;
-    * ``slots`` (per sequence, fill :data:`DUMMY_SLOT`, bounds ``[0, num_slots)``): the row's cache slot.
+    * ``slots`` (per sequence, fill :data:`DUMMY_SLOT`, bounds ``[0, num_slots)``): the row's cache slot;
+    * ``sampling`` (per sequence, float32 ``[len(PARAMS)]``, fill 1.0): the row's settings, the columns of
+      :data:`~.sampling.PARAMS`; all ones is a harmless setting (temperature 1, keep the top token);
+    * ``uniforms`` (per token, float32 ``[2]``, fill 0.5, bounds ``[0, 1)``): the draws of a sampled row.
 
     Padded rows (and every row during capture) hold the fills: token 0 at position 0 in the dummy slot, so
     they write only the dummy slot and attend to one key there.
     """
     return [gp.StepInput("input_ids", torch.int64, per="token", fill=0, bounds=(0, vocab_size)),
             gp.StepInput("positions", torch.int64, per="token", fill=0, bounds=(0, cache.max_len)),
-            gp.StepInput("slots", torch.int64, per="seq", fill=DUMMY_SLOT, bounds=(0, cache.num_slots))]
+            gp.StepInput("slots", torch.int64, per="seq", fill=DUMMY_SLOT, bounds=(0, cache.num_slots)),
+            gp.StepInput("sampling", torch.float32, per="seq", fill=1.0, trailing=(len(PARAMS),),
+                         bounds=(0.0, float("inf"))),
+            gp.StepInput("uniforms", torch.float32, per="token", fill=0.5, trailing=(2,), bounds=(0.0, 1.0))]
 
 
 class SlotForward:
-    """The model's decoder and head over a :class:`SlotCache`: :meth:`hidden`, :meth:`greedy`, :meth:`prefill`,
-    and the pool's step function (calling the object).
+    """The model over a :class:`SlotCache`: :meth:`logits`, :meth:`prefill`, and the pool's step function
+    (calling the object).
 
     Args:
-        model: a supported ``*ForCausalLM`` model (see :mod:`.versions`).
-        cache: its slot cache.
+        model: a served ``*ForCausalLM`` model (:mod:`.structure`).
+        cache: its slot cache (its ``layout`` is the model's).
         grouped: for ``"sdpa"`` models, attend with :func:`~.attention.grouped_sdpa` (each key read once per
-            key/value head, not repeated for its query heads); ``False`` keeps transformers' own ``sdpa``.
-            ``"eager"`` models always keep theirs.
+            key/value head, not repeated for its query heads) where attention receives nothing else it would
+            compute differently; ``False`` keeps transformers' own ``sdpa``. ``"eager"`` models keep theirs.
     """
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, grouped: bool = True):
         self.model, self.cache = model, cache
-        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
-        config = model.config
-        self.grouped = grouped and config._attn_implementation == "sdpa"
-        self.groups = config.num_attention_heads // cache.kv_heads if self.grouped else 1
-        # transformers 5.24 renamed the decoder's `past_key_values` argument to `cache` (the old name warns).
-        params = inspect.signature(self.decoder.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        layout = cache.layout
+        self.grouped = bool(grouped and layout.implementation == "sdpa" and layout.plain_arguments and layout.groups)
+        self.groups = layout.groups if self.grouped else 1
+        self.windows = layout.windows
+        self.attention = register(slot_attention(layout, self.grouped))
+        self._cache_arg = cache_argument(model)
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        with torch.inference_mode():
+            #: The EOS tokens that ``min_new_tokens`` suppresses (set per generation, read by the graphs).
+            self.eos = torch.zeros(self.vocab, dtype=torch.bool, device=cache.device)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               kv_len: int | None = None) -> torch.Tensor:
-        """Last hidden states ``[B, T, hidden]`` of tokens ``ids`` ``[B, T]`` at ``positions`` ``[B, T]`` in
-        ``slots`` ``[B]``, writing their keys and values into the cache."""
+    def set_eos(self, tokens: list[int]) -> None:
+        """Set the EOS tokens (in place: the graphs read this buffer)."""
+        with torch.inference_mode():
+            self.eos.zero_()
+            if tokens:
+                self.eos[torch.tensor(tokens, device=self.eos.device)] = True
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int | None = None,
+               last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``) of tokens ``ids`` ``[B, T]`` at ``positions``
+        ``[B, T]`` in ``slots`` ``[B]``, writing their keys, values and ids into the cache."""
         cache = self.cache
         cache.bind(slots, positions, kv_len)
-        mask = cache.attention_mask(positions, kv_len, self.groups)
-        with grouped_attention(self.model.config, self.grouped):
-            out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                               **{self._cache_arg: cache})
-        return out.last_hidden_state
+        cache.write_tokens(ids)
+        mask = cache.attention_mask(positions, kv_len, self.groups, self.windows)
+        keep = {"logits_to_keep": 1 if last_only else 0} if self._keep_arg else {}
+        with attention_implementation(self.model.config, self.attention):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                             **keep, **{self._cache_arg: cache})
+        return out.logits[:, -1:] if last_only else out.logits
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The greedy next token of each hidden state (``argmax`` of the head's logits, as transformers'
-        greedy search takes it: ties go to the lowest token id)."""
-        return self.head(hidden).argmax(-1)
+    def choose(self, logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor,
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """:func:`~.sampling.choose` for every token of ``logits`` ``[B, T, V]`` (the bound rows)."""
+        rows, tokens = positions.shape
+        n = rows * tokens
+        history = self.cache.history()
+        history = history[:, None, :].expand(rows, tokens, history.shape[1]).reshape(n, -1)
+        params = sampling[:, None, :].expand(rows, tokens, sampling.shape[1]).reshape(n, -1)
+        flat = positions.reshape(n)
+        drafts = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).reshape(n)
+        column = torch.arange(tokens, device=ids.device).repeat(rows)
+        seen = seen_tokens(history, flat, logits.shape[-1])
+        return choose(logits.reshape(n, -1), seen, params, flat, self.eos, drafts, column < params[:, DRAFTS],
+                      uniforms)
 
     def __call__(self, batch: gp.StepBatch) -> dict[str, torch.Tensor]:
-        """The step function for :meth:`graphpool.GraphPool.capture`: ``{"next": [bs * tokens_per_seq]}``."""
+        """The step function for :meth:`graphpool.GraphPool.capture`: ``{"out": [bs * tokens_per_seq, 4]}``."""
         x, rows, tokens = batch.inputs, batch.bs, batch.mode.tokens_per_seq
         # inference mode inside too: the eager twin and the eager miss path run this function on every step,
         # and the cache's in-place writes must never join an autograd graph (PoolGenerator also wraps its loop).
         with torch.inference_mode():
-            hidden = self.hidden(x["input_ids"].view(rows, tokens), x["positions"].view(rows, tokens), x["slots"])
-            return {"next": self.greedy(hidden).view(-1)}
+            ids, positions = x["input_ids"].view(rows, tokens), x["positions"].view(rows, tokens)
+            logits = self.logits(ids, positions, x["slots"])
+            return {"out": self.choose(logits, ids, positions, x["sampling"], x["uniforms"])}
 
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
-        """Run ``prompts`` eagerly into their ``slots`` (one padded batch) and return each one's first new token.
+    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: torch.Tensor,
+                uniforms: torch.Tensor) -> torch.Tensor:
+        """Run ``prompts`` eagerly into their ``slots`` (one batch) and choose each one's first new token.
 
-        Rows are right-padded to the longest prompt; a padded token writes into its own row's slot past the
-        prompt's end, where the first decode steps overwrite it before anything reads it (see :mod:`.cache`).
+        Rows are left-padded to the longest prompt, so that every row's last token is the batch's last column
+        (the head runs on that column only); a padding token sits past its prompt's end (positions ``len(p)``
+        onwards), where the first decode steps overwrite it before anything reads it (see :mod:`.cache`).
+
+        Returns:
+            ``[B, 4]`` float64, the columns of :data:`~.sampling.OUT` for each prompt's last token.
         """
         device = self.cache.device
         longest = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], dtype=torch.int64, device=device)
-        positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], dtype=torch.int64, device=device)
+        positions = torch.tensor([list(range(len(p), longest)) + list(range(len(p))) for p in prompts],
+                                 dtype=torch.int64, device=device)
         slot_ids = torch.tensor(slots, dtype=torch.int64, device=device)
         with torch.inference_mode():
-            hidden = self.hidden(ids, positions, slot_ids, kv_len=longest)
-            last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-            first = self.greedy(hidden[torch.arange(len(prompts), device=device), last])
-        return first.tolist()
+            logits = self.logits(ids, positions, slot_ids, kv_len=longest, last_only=True)
+            return self.choose(logits, ids[:, -1:], positions[:, -1:], sampling.to(device), uniforms.to(device))
 
 
 def describe(model: Any) -> str:
     """A one-line summary of a model for logs: class, layers, hidden size, parameters, dtype."""
     params = sum(p.numel() for p in model.parameters())
     first = next(model.parameters())
-    config = model.config
+    config = model.config.get_text_config()
     return (f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-            f"{params / 1e6:.1f} M parameters, {first.dtype}, {config._attn_implementation} attention)")
+            f"{params / 1e6:.1f} M parameters, {first.dtype}, {model.config._attn_implementation} attention)")

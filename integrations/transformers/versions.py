@@ -1,43 +1,42 @@
-"""What this integration supports: transformers releases, model families, attention implementations.
+"""Which transformers releases this integration runs on, and a check of the interfaces it relies on.
 
 Checked at construction (:class:`~graphpool.integrations.transformers.SlotCache`,
-:class:`~graphpool.integrations.transformers.PoolGenerator`), not at import, so the package imports (and
-its docs read) with any transformers installed; each refusal says what was found, why it cannot work,
-and what to do.
+:class:`~graphpool.integrations.transformers.PoolGenerator`), not at import, so the package imports (and its
+docs read) with any transformers installed.
 
-* **transformers 5.6.0 to 5.24.x** (tested: 5.6.0, 5.17.0, 5.24.0). 5.x's ``Cache`` is a list of
-  per-layer objects whose ``update(key, value, layer_idx)`` returns the keys and values attention reads,
-  and a 4-D ``attention_mask`` is passed to attention as given: the two hooks :class:`SlotCache` uses.
-  4.x builds masks from the cache's single length; releases after 5.24 are untested.
-* **Families**: Llama, Mistral, Qwen2, Qwen3 (``*ForCausalLM``): a decoder (``model.get_decoder()``) whose
-  attention calls ``cache.update`` once per layer, then ``lm_head``, with no logit soft-capping. Qwen3
-  normalises queries and keys per head, Qwen2 has attention biases: the cache sees the keys after those,
-  whatever the layout.
-* **Attention**: ``"sdpa"`` and ``"eager"`` (transformers' own), which take the 4-D additive mask. Flash
-  attention and flex attention build their own masks from sequence lengths and would ignore it.
-* **Windows**: a sliding window shorter than ``max_len`` is refused: the mask is causal over the whole
-  cache (Mistral's default window, 4096, is fine for ``max_len <= 4096``).
+* **transformers 5.6.0 and later** (tested: :data:`TESTED`). 5.x's ``Cache`` is a list of per-layer objects
+  whose ``update(key, value, layer_idx)`` returns the keys and values attention reads, a 4-D
+  ``attention_mask`` reaches attention as given, and attention runs through the ``AttentionInterface``: the
+  hooks the slot cache and the step use. 4.x builds masks from the cache's single length: refused.
+* **A release newer than the newest tested** runs with one warning, unless :func:`check_interfaces` finds that an
+  interface listed in :data:`INTERFACES` changed: then an error naming what changed.
+* **Models**: by structure, not by name (:mod:`.structure`).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
+import inspect
 import re
-from typing import Any
+import warnings
+from typing import Callable
 
-#: The releases this integration runs on, as (major, minor) bounds, both ends included.
-OLDEST, NEWEST = (5, 6), (5, 24)
-#: The releases its CPU tests ran on (CI: 5.6.0 and 5.17.0, .ci/transformers-range.sh; 5.24.0 too).
-TESTED = ("5.6.0", "5.17.0", "5.24.0")
-SUPPORTED = f"transformers {OLDEST[0]}.{OLDEST[1]}.0 to {NEWEST[0]}.{NEWEST[1]}.x (tested: {', '.join(TESTED)})"
-
-#: ``config.model_type`` of the families served.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-#: ``config._attn_implementation`` values that honour a 4-D additive mask.
-ATTENTION = ("sdpa", "eager")
+#: The oldest release served, (major, minor).
+OLDEST = (5, 6)
+#: The releases the CPU tests ran on: CI's main environment, one between (.ci/transformers-range.sh), the newest.
+TESTED = ("5.6.0", "5.17.0", "5.25.0")
+#: The newest release tested, (major, minor): newer ones run with a warning.
+NEWEST_TESTED = (5, 25)
+SUPPORTED = f"transformers {OLDEST[0]}.{OLDEST[1]}.0 and later (tested: {', '.join(TESTED)})"
 
 
 class UnsupportedModelError(ValueError):
     """A model, transformers release or setting this integration cannot serve; the message says why and the fix."""
+
+
+class UntestedReleaseWarning(UserWarning):
+    """The installed transformers is newer than every release this integration was tested on."""
 
 
 def transformers_version() -> str:
@@ -48,69 +47,85 @@ def transformers_version() -> str:
         return "not installed"
 
 
+def _release(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def check_version(version: str | None = None) -> None:
-    """Refuse a transformers release outside :data:`SUPPORTED` (default: the installed one).
+    """Refuse a release older than :data:`OLDEST` (default: the installed one); warn, once per release, about one
+    newer than :data:`NEWEST_TESTED`.
 
     Raises:
         UnsupportedModelError: naming the release found and the supported range.
     """
     version = transformers_version() if version is None else version
-    match = re.match(r"(\d+)\.(\d+)", version)
-    found = (int(match.group(1)), int(match.group(2))) if match else None
-    if found is None or not OLDEST <= found <= NEWEST:
-        if found is None:
-            why = "not a release number"
-        elif found < OLDEST:
-            why = "older releases build attention masks from one cache length and lack the per-layer Cache API"
-        else:
-            why = "it is newer than every release this was tested on"
+    found = _release(version)
+    if found is None or found < OLDEST:
+        why = ("not a release number" if found is None else
+               "older releases build attention masks from one cache length and lack the per-layer Cache API")
         raise UnsupportedModelError(
             f"graphpool.integrations.transformers supports {SUPPORTED}; found transformers {version} ({why}): "
             f"install a supported release, e.g. pip install 'transformers=={TESTED[-1]}'")
+    if found > NEWEST_TESTED:
+        _warn_untested(version)
 
 
-def check_model(model: Any, max_len: int) -> None:
-    """Refuse a model this integration cannot run exactly (release, family, attention, window).
+@functools.lru_cache(maxsize=None)
+def _warn_untested(version: str) -> None:
+    warnings.warn(f"transformers {version} is newer than every release graphpool.integrations.transformers was tested "
+                  f"on ({', '.join(TESTED)}); the interfaces it relies on were checked and are in place, so it runs",
+                  UntestedReleaseWarning, stacklevel=4)
 
-    Args:
-        model: a transformers ``*ForCausalLM`` model.
-        max_len: the longest sequence (prompt + new tokens + drafts) the cache will hold.
+
+def _has(module: str, name: str) -> Callable[[], bool]:
+    return lambda: hasattr(importlib.import_module(module), name)
+
+
+def _takes(module: str, path: str, *params: str) -> Callable[[], bool]:
+    def check() -> bool:
+        target = importlib.import_module(module)
+        for part in path.split("."):
+            target = getattr(target, part)
+        return set(params) <= set(inspect.signature(target).parameters)
+    return check
+
+
+#: What this integration relies on in transformers, each with a check: the name of what changed, if one fails.
+INTERFACES: dict[str, Callable[[], bool]] = {
+    "transformers.cache_utils.Cache(layers=...)": _takes("transformers.cache_utils", "Cache.__init__", "layers"),
+    "transformers.cache_utils.CacheLayerMixin": _has("transformers.cache_utils", "CacheLayerMixin"),
+    "transformers.AttentionInterface.register(name, function)": _takes("transformers", "AttentionInterface.register",
+                                                                        "key", "value"),
+    "transformers.integrations.sdpa_attention.sdpa_attention_forward": _has("transformers.integrations.sdpa_attention",
+                                                                            "sdpa_attention_forward"),
+    "GenerationMixin._prepare_generation_config(generation_config, **kwargs)": _takes(
+        "transformers.generation.utils", "GenerationMixin._prepare_generation_config", "generation_config"),
+    "transformers.generation.StopStringCriteria(tokenizer, stop_strings)": _takes(
+        "transformers.generation", "StopStringCriteria.__init__", "tokenizer", "stop_strings"),
+    "transformers.GenerationConfig.update(**kwargs) returning the unused keys": _takes(
+        "transformers", "GenerationConfig.update"),
+    "GenerationConfig._get_default_generation_params() (generate()'s defaults)": lambda: callable(
+        getattr(importlib.import_module("transformers").GenerationConfig, "_get_default_generation_params", None)),
+}
+
+
+def check_interfaces() -> None:
+    """Check every interface of :data:`INTERFACES` in the installed transformers.
 
     Raises:
-        UnsupportedModelError: what is unsupported, why, and the fix.
+        UnsupportedModelError: naming each interface that changed, and the release.
     """
-    check_version()
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in FAMILIES:
+    changed = []
+    for name, check in INTERFACES.items():
+        try:
+            ok = check()
+        except (ImportError, AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            changed.append(name)
+    if changed:
         raise UnsupportedModelError(
-            f"model type {kind!r} ({type(model).__name__}) is not served: supported families are {list(FAMILIES)} "
-            f"(their *ForCausalLM classes), whose decoder and head this integration drives; use one of them")
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in ATTENTION:
-        raise UnsupportedModelError(
-            f"attention implementation {impl!r} is not supported: only {list(ATTENTION)} apply the 4-D mask that "
-            f"puts every row at its own position ({impl!r} would build its own mask and attend to stale cache "
-            f"entries); load the model with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
-    if model.get_output_embeddings() is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no lm_head: pass the *ForCausalLM model, not its "
-                                    f"base model")
-    window = _window(config)
-    if window is not None and window < max_len:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} attends within a sliding window of {window} tokens, shorter than max_len "
-            f"{max_len}: the slot cache's mask is causal over the whole sequence, so tokens past the window would "
-            f"differ; use max_len <= {window}")
-
-
-def _window(config: Any) -> int | None:
-    """The shortest sliding window any layer uses, or ``None``."""
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None  # Qwen2/Qwen3 keep a window value but use it only where use_sliding_window marks layers
-    if types is None and getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+            f"transformers {transformers_version()} changed interfaces graphpool.integrations.transformers relies on: "
+            f"{'; '.join(changed)}. Install a tested release ({', '.join(TESTED)}), e.g. "
+            f"pip install 'transformers=={TESTED[-1]}'")

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|<img[^>]*\bsrc=\"([^\"]+)\"")
 FENCED = re.compile(r"```.*?```", re.S)
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
-CITED_FILE = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:md|py|sh|txt|toml|cpp|json))\b")
+# (Not .cpp: "llama.cpp" is a project's name; the one C++ file is named by a glob.)
+CITED_FILE = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:md|py|sh|txt|toml|json))\b")
 METADATA = ("pyproject.toml", "setup.py")
 
 

@@ -52,6 +52,7 @@ def test_readme_section_is_short_repeated_and_links_what_exists():
     section = readme_section()
     assert len(section.strip().splitlines()) <= 22, "the README section must read in a minute"
     mirror = open(os.path.join(ROOT, "integrations", "transformers", "README.md")).read().split("\n<!--")[0]
+    mirror = mirror.replace("](../../", "](")  # its links are relative to its own folder
     assert mirror.strip() == section.replace("## Custom decode loops", "## Hugging Face transformers", 1).strip()
     for link in re.findall(r"\]\(([^)#]+)\)", section):
         assert os.path.exists(os.path.join(ROOT, link)), link

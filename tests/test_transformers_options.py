@@ -210,7 +210,7 @@ def test_cache_dtype_other_than_the_models(model):
     assert wide.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).tokens == want  # float32 keys kept exactly
     narrow = tfm.PoolGenerator(model, max_len=40, batch_sizes=(1, 2), num_draft_tokens=2, cache_dtype=torch.bfloat16)
     assert [len(t) for t in narrow.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).tokens] == [NEW] * 3
-    with pytest.raises(ValueError, match="floating torch.dtype"):
+    with pytest.raises(TypeError, match="floating-point torch.dtype .* got torch.int8"):
         tfm.SlotCache(model, num_slots=2, max_len=8, dtype=torch.int8)
 
 

@@ -78,37 +78,6 @@ def test_cache_slots_binding_and_mask():
     assert torch.equal(keys[0], layer.keys[2]) and torch.equal(keys[1], layer.keys[1])
 
 
-def test_a_cache_of_another_dtype_stores_cast_and_attends_in_the_models():
-    """Before: SlotCache(..., dtype=) constructed, then the first forward failed in index_put_ (dtype mismatch).
-    A float64 cache of a float32 model stores every key exactly, so each step's hidden states equal those over
-    the model's own dtype bit for bit; a bfloat16 cache stores the first layer's keys rounded."""
-    model = tiny_model("llama")
-    prompts, steps = [[5, 6, 7, 8, 9], [11, 12]], 4
-
-    def run(dtype):
-        cache = tfm.SlotCache(model, num_slots=3, max_len=16, dtype=dtype)
-        forward = tfm.SlotForward(model, cache)
-        tokens = forward.prefill(prompts, [1, 2])
-        slots, hidden = torch.tensor([1, 2]), []
-        with torch.inference_mode():
-            for i in range(steps):
-                positions = torch.tensor([[len(p) + i] for p in prompts])
-                hidden.append(forward.hidden(torch.tensor(tokens).view(2, 1), positions, slots))
-                tokens = forward.greedy(hidden[-1]).view(-1).tolist()
-        return cache, torch.stack(hidden)
-
-    own, want = run(None)
-    wide, got = run(torch.float64)
-    assert wide.layers[0].keys.dtype == torch.float64 and torch.equal(got, want)
-    assert torch.equal(wide.layers[1].values, own.layers[1].values.double())
-    half, _ = run(torch.bfloat16)
-    for slot, prompt in enumerate(prompts, 1):  # a prompt's first-layer keys depend on its tokens alone
-        stored, exact = half.layers[0].keys[slot, :, :len(prompt)], own.layers[0].keys[slot, :, :len(prompt)]
-        assert torch.equal(stored, exact.bfloat16())
-    with pytest.raises(TypeError, match="floating-point torch.dtype .* got torch.int8"):
-        tfm.SlotCache(model, num_slots=3, max_len=16, dtype=torch.int8)
-
-
 def test_cache_refuses_a_forward_without_bind():
     model = tiny_model("llama")
     cache = tfm.SlotCache(model, num_slots=2, max_len=8)
@@ -229,14 +198,14 @@ def test_no_prompts_get_the_same_empty_result_from_both_entry_points():
     returned an empty result. Both refuse a bad max_new_tokens with the same error."""
     model = tiny_model("llama")
     generator = tfm.PoolGenerator(model, max_len=16, batch_sizes=(1,), num_draft_tokens=0)
-    want = generator.generate([], 4)
-    got = tfm.generate(model, [], 4, num_draft_tokens=0)
+    want = generator.generate([], max_new_tokens=4)
+    got = tfm.generate(model, [], max_new_tokens=4)
     assert (got.tokens, got.finish, got.steps) == (want.tokens, want.finish, want.steps) == ([], [], [])
     for bad in (0, [3]):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1 or one per prompt"):
-            generator.generate([], bad)
+            generator.generate([], max_new_tokens=bad)
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1 or one per prompt"):
-            tfm.generate(model, [], bad)
+            tfm.generate(model, [], max_new_tokens=bad)
 
 
 def test_grouped_attention_equals_transformers_sdpa():

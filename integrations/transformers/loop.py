@@ -287,9 +287,9 @@ def generate(model: torch.nn.Module, inputs: Any = None, generation_config: Any 
                                          "output_logprobs") if k in kwargs}
     options = resolve(model, generation_config, **{k: v for k, v in kwargs.items() if k not in gen_kwargs})
     prompts = prompt_lists(inputs, attention_mask, options.pad_token_id, options.eos) if _has_prompts(inputs) else []
+    counts = per_request(max_new_tokens, len(prompts), "max_new_tokens")  # checked with no prompts too
     if not prompts:
         return GenerationResult(tokens=[], finish=[], pad_token_id=options.pad_token_id)
-    counts = per_request(max_new_tokens, len(prompts), "max_new_tokens")
     drafts = generator_args.get("num_draft_tokens", 4)
     generator_args.setdefault("max_len", max(len(p) + (c or options.new_tokens(len(p)))
                                              for p, c in zip(prompts, counts)) + drafts)

@@ -165,8 +165,9 @@ def per_request(value: int | Sequence[int] | None, count: int, name: str) -> lis
     """One value for each of ``count`` requests: an int for all, one per request, or ``None``."""
     if value is None or isinstance(value, int):
         values = [value] * count
+        checked = [value]  # an int is checked itself, whether or not there are requests
     else:
-        values = list(value)
-    if len(values) != count or any(v is not None and (not isinstance(v, int) or v < 1) for v in values):
+        values = checked = list(value)
+    if len(values) != count or any(v is not None and (not isinstance(v, int) or v < 1) for v in checked):
         raise ValueError(f"{name} must be an int >= 1 or one per prompt ({count}), got {value!r}")
     return values

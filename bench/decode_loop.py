@@ -47,10 +47,10 @@ plain step took 1.65 ms (2.1x) and a speculative one 4.2 ms (3.4x), plus a host 
 speculation then barely won at C = 1. Issue 11 goes after those causes: fused Triton kernels for the norms,
 rotary and SwiGLU (:mod:`bench.engine.fused`), FlashInfer attention planned once with its metadata built
 in the graph (:mod:`bench.engine.fi_attention`), fewer ops in the tree acceptance, and a loop that queues
-the next verify step before reading the last one's accept lengths (``--run-ahead``). ``bench/profile_step.py``
-shows where a step's time goes. Eager plain steps (dyn-eager) still launch every op from Python (~100
-ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among the slowest), which is
-what graphs exist to remove.
+the next verify step before reading the last one's accept lengths (``--run-ahead``); where a step's time
+went, kernel by kernel: bench/RESULTS_HISTORY.md (runs T to AW). Eager plain steps (dyn-eager) still launch
+every op from Python (~100 ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among
+the slowest), which is what graphs exist to remove.
 
 Windows last at least one second on a GPU (``--min-seconds``) as well as ``--steps`` steps. Each request
 costs a prefill (~1.3 ms at batch size 1 here) and, with speculation, a wait at its end (the host must
@@ -83,7 +83,7 @@ from bench.engine.costs import plain_step, roofline_table, spec_step, total_para
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.gemv import use_skinny  # noqa: E402
-from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
+from bench.engine.harness import build  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import CHOSEN, DecodeLoop, fixed_tier_variants, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
@@ -106,15 +106,15 @@ class Preset:
     """A model size and the benchmark settings that go with it (override any of them on the command line)."""
 
     model: Callable[[], ModelConfig]
-    draft_noise: float   # sets the acceptance rate; see bench/engine/acceptance.py to measure it
+    draft_noise: float   # sets the acceptance rate (the accept column of a spec run measures it)
     prompt_len: int
     min_new: int
     max_new: int
 
 
 PRESETS = {
-    # Noise 0.2: 2.55-2.73 tokens committed per verify step (CPU, float32, 40-96 samples, with
-    # bench/engine/acceptance.py; 0.22: 2.44, 0.3: 1.93, 0.1: 3.65). bf16 on the H200 ran ~4 % higher for `small`.
+    # Noise 0.2: 2.55-2.73 tokens committed per verify step (CPU, float32, 40-96 samples; 0.22: 2.44, 0.3: 1.93,
+    # 0.1: 3.65; bench/RESULTS_HISTORY.md, removed probes). bf16 on the H200 ran ~4 % higher for `small`.
     "medium": Preset(ModelConfig.medium, draft_noise=0.2, prompt_len=32, min_new=96, max_new=112),
     "small": Preset(ModelConfig.small, draft_noise=0.05, prompt_len=32, min_new=64, max_new=128),
     "tiny": Preset(ModelConfig.tiny, draft_noise=0.05, prompt_len=12, min_new=8, max_new=24),
@@ -165,8 +165,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the speculative step's selection work (each draft level's top-k and next beam, the "
                         "tree's selection, the greedy acceptance and commit): torch ops, or one Triton kernel "
                         "each (bench/engine/draft_select.py, tree_kernels.py); auto: the kernels on CUDA")
-    p.add_argument("--blas", default="default", choices=BLAS,
-                   help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
     p.add_argument("--skinny", default="on", choices=["on", "off"],
                    help="16-bit products of 2-16 tokens (draft levels, verify at C = 1, plain decode at C <= 16) "
                         "through the skinny tensor-core GEMM of bench/engine/skinny.py, or the BLAS library")
@@ -415,7 +413,6 @@ def run(tp, args: argparse.Namespace) -> int:
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     try:
-        blas = select_blas(args.blas, args.device)
         use_skinny(args.skinny == "on")  # before the pool captures
         engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                              dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
@@ -427,7 +424,7 @@ def run(tp, args: argparse.Namespace) -> int:
     selection += " (auto)" if spec.draft_select == "auto" else ""
     print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
-          f"draft selection, {blas} GEMMs, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
+          f"draft selection, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
@@ -489,7 +486,7 @@ def run(tp, args: argparse.Namespace) -> int:
                             "graph_mib_by_mode": {m: pool.stats.mode_bytes(m) / 2**20 for m in pool.modes}},
             "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
-            "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas, "skinny": args.skinny,
+            "draft_select": "fused" if engine.fused_draft_select else "torch", "skinny": args.skinny,
             "args": {k: v for k, v in vars(args).items() if k != "outputs"}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes

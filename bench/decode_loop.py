@@ -90,7 +90,8 @@ from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
 from graphpool.bench.outputs import OutputError, OutputSet  # noqa: E402
 from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, TIERS_LEGEND, acceptance,  # noqa: E402
-                                 acceptance_lines, check_targets, count, explain, label, plot, table)
+                                 acceptance_lines, check_targets, count, explain, identical, label, plot,
+                                 steps_table, table)
 from bench import decode_tiers  # noqa: E402
 from graphpool import SpeculationPolicy, TierSchedule  # noqa: E402
 
@@ -402,8 +403,9 @@ def run(tp, args: argparse.Namespace) -> int:
     gpu = args.device.startswith("cuda")
     if not gpu:
         print("decode_loop: CPU smoke run of the code path: graphpool's eager twin calls the step functions "
-              "(no CUDA graphs), so the timings below are not a speed measurement and no crossover, threshold "
-              "or roofline conclusion is drawn from them. Run on a CUDA GPU for those.", flush=True)
+              "(no CUDA graphs), so this run is not a speed measurement: it shows what ran (graphs, steps by mode, "
+              "outputs against plain decoding) and draws no crossover, threshold or roofline conclusion. Run on a "
+              "CUDA GPU for those.", flush=True)
     print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
           f"{cfg.intermediate_size}, {count(total_params(cfg))} parameters) in {args.dtype} on {args.device}"
           + ("" if gpu else " (eager twin)")
@@ -422,7 +424,8 @@ def run(tp, args: argparse.Namespace) -> int:
     kernels = "fused" if engine.target.fused else "torch"
     selection = "fused" if engine.fused_draft_select else "torch"
     selection += " (auto)" if spec.draft_select == "auto" else ""
-    print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
+    graphs = len(pool.graph_keys)
+    print(f"built engine and captured {graphs} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
           f"draft selection, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
@@ -465,9 +468,11 @@ def run(tp, args: argparse.Namespace) -> int:
                           else decode_tiers.schedule(bounds, pool.modes) if v == "tiers" else None)
                 r = results[(v, c)] = run_variant(engine, pool, v, c, args, policy)
                 done += 1
-                steps = ", ".join(f"{n} {k}" for k, n in r["steps"].items() if n)
-                print(f"[{done}/{total}] {label(v):<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps: {steps}"
-                      f"  accept {r['mean_accept'] or float('nan'):.2f}  misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
+                steps = ", ".join(f"{n} {k.replace('_decode', ' decode')}" for k, n in r["steps"].items() if n)
+                speed = f"{r['tokens_per_s']:>10.1f} tok/s  " if gpu else ""  # the eager twin's: no measurement
+                accept = f"{r['mean_accept']:.2f}" if r["mean_accept"] else "-"
+                print(f"[{done}/{total}] {label(v):<10} C={c:<4} {speed}steps: {steps}  accept {accept}  "
+                      f"misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
     for (v, c), r in results.items():
         if v != "plain" and ("plain", c) in results:
             r["match_vs_plain"] = match_rate(results[("plain", c)]["outputs"], r["outputs"])
@@ -527,18 +532,18 @@ def run(tp, args: argparse.Namespace) -> int:
         note = f"crossover: {seen}; {chosen}"
     if identity is not None and not gpu:
         print(acceptance_lines(passed[-1:]))
-    print(table(results, args.concurrency, checks, gpu, note))
     if gpu:
+        print(table(results, args.concurrency, checks, note))
         print(f"acceptance (issue 11), {meta['attention']} attention, {kernels} kernels:")
         print(acceptance_lines(passed))
     else:
+        print(steps_table(results, args.concurrency))
         steps = sum(sum(r["steps"].values()) for r in results.values())
         misses = sum(row["misses"] for row in checks)
-        matched = [r["match_vs_plain"]["identical"] for (v, _), r in results.items()
-                   if v in CHOSEN and r.get("match_vs_plain", {}).get("identical") is not None]
-        print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {steps} timed steps over "
-              f"{len(results)} runs, {misses} graph misses; dynamic and tiered runs identical to plain decode in "
-              f"{sum(m == 1.0 for m in matched)} of {len(matched)}. Speed, crossover and targets: run on a CUDA GPU.")
+        same, compared = identical(results)
+        print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {graphs} graphs, {steps} timed steps over "
+              f"{len(results)} runs, {misses} graph misses; runs identical to plain decode: {same} of {compared}. "
+              "Speed, crossover and targets: run on a CUDA GPU.")
     return 0
 
 

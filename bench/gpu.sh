@@ -62,8 +62,8 @@ install_wheels() {
   fi
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
-# table MARK FILE: FILE from its last line starting with MARK to the end (a run's short table)
-table() { awk -v m="$1" 'index($0, m) == 1 {n = NR} {line[NR] = $0} END {for (i = n; n && i <= NR; i++) print line[i]}' "$2"; }
+# table REGEX FILE: FILE from its last line matching REGEX to the end (a run's short table)
+table() { awk -v m="$1" '$0 ~ m {n = NR} {line[NR] = $0} END {for (i = n; n && i <= NR; i++) print line[i]}' "$2"; }
 tests_summary() { grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped|errors?)" "$1" | tail -15; }
 
 # SGLang's live servers run from a carry: its wheels and archives installed into a site folder beside graphpool
@@ -140,7 +140,7 @@ decode|tiers)
   args=(--identity-check --out "$OUT/decode_loop")
   [ "$run" = tiers ] && args=(--tiers 4x2:8,4x1:4 --concurrency 1,2,4,8,16,32,64,128 --identity-check --out "$OUT/decode_tiers")
   stage "decode_loop ${args[*]} $*" ${LOOP_LIMIT:-570} python3 bench/decode_loop.py "${args[@]}" "$@"
-  table "output tokens/s by concurrency" "$LOG" ;;
+  table "^(output tokens/s|steps by mode) " "$LOG" ;;
 hf)
   : > "$LOG"; machine
   # the pool's Python input checks instead of a minute's build of the C++ checker on a bare machine
@@ -148,7 +148,7 @@ hf)
   stage "transformers GPU tests" 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers_*.py
   tests_summary "$LOG"
   stage "bench/hf_decode.py $*" ${HF_LIMIT:-400} python3 bench/hf_decode.py --out "$OUT/hf_decode" "$@"
-  grep -E "^hf_decode: (graphpool captured|graphed step|hf-static )" "$LOG"; table "tokens/s (all rows" "$LOG" ;;
+  grep -E "^hf_decode: (graphpool captured|graphed step|hf-static )" "$LOG"; table "tokens/s [(]all rows" "$LOG" ;;
 sglang-live|sglang-classic)
   DEADLINE_S=${DEADLINE_S:-550}
   if [ "$run" = sglang-live ]; then carry=.sgl17 script=bench/sglang_live_v2.py; else carry=.sgl script=bench/sglang_live.py; fi
@@ -187,7 +187,7 @@ tp)
   stage "engine GPU tests at --tp $TP" 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --tp "$TP" tests/test_engine_tp.py
   tests_summary "$LOG"
   stage "decode_loop --tp $TP $*" 300 python3 bench/decode_loop.py --tp "$TP" --out "$OUT/decode_tp$TP" "$@"
-  table "output tokens/s by concurrency" "$LOG" ;;
+  table "^(output tokens/s|steps by mode) " "$LOG" ;;
 wheels)
   mkdir -p .whl && "${PIPDL[@]}" -d .whl flashinfer-python==0.6.11.post1 apache-tvm-ffi==0.1.9 && ls .whl/*.whl ;;
 help|-h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//' ;;

@@ -158,6 +158,7 @@ def test_gpu_entry_point_lists_its_runs_and_refuses_an_unknown_one(tmp_path):
     assert unknown.returncode == 2 and "unknown run 'no-such-run'" in unknown.stdout
 
 
+@pytest.mark.slow  # ~10 s: CI runs it (--runslow)
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_entry_points_tiers_run_goes_end_to_end_on_a_cpu(tmp_path):
     """Issue 40's tiers run as `bash bench/gpu.sh tiers` runs it, shortened to two C on the CPU twin: every tier

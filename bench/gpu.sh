@@ -72,7 +72,7 @@ sglang_setup() {
   local carry=$1 run=$2 site=$2/site gp=$2/gp
   [ -d "$carry/whl" ] || { echo "no $carry/whl here: build it first (bash bench/gpu.sh sglang-carry ...)"; exit 2; }
   mkdir -p "$run"
-  {
+  (
     if [ ! -f "$site/.done" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/whl/*.whl \
         || exit 1
@@ -84,7 +84,7 @@ sglang_setup() {
     # sglang-kernel's norm and sampling wrappers prefer FlashInfer's JIT ops; take its own precompiled ones
     sed -i 's/^    import flashinfer\.\(norm\|sampling\) as _flashinfer_\(norm\|sampling\)$/    raise ImportError("no flashinfer JIT")/' \
       "$site/sgl_kernel/elementwise.py" "$site/sgl_kernel/sampling.py"
-  } > "$OUT/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$OUT/setup.log"; exit 1; }
+  ) > "$OUT/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$OUT/setup.log"; exit 1; }
   export PYTHONPATH=$site:$gp HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRAPHPOOL_NO_EXTENSION=1
   export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-$run/tvmffi-cache} FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$run}
   python3 - >> "$OUT/setup.log" 2>&1 <<'PY' || { echo "SGLang does not import:"; tail -5 "$OUT/setup.log"; exit 1; }
@@ -103,28 +103,29 @@ PY
 # The carry of a live SGLang release, built where pip reaches an index: $1 0.5.17 (.sgl17: Llama-3.1-8B's shape,
 # an EAGLE3 draft of it) or 0.5.12 (.sgl: a 4-layer Llama and a 1-layer EAGLE3 draft); dummy weights, no tokenizer.
 sglang_carry() {
-  local rel=${1:-} d w; w=$(mktemp -d)
+  local rel=${1:-} d w
+  case $rel in 0.5.17) d=.sgl17 ;; 0.5.12) d=.sgl ;; *) echo "usage: bash bench/gpu.sh sglang-carry 0.5.17|0.5.12"; exit 2 ;; esac
+  w=$(mktemp -d) && rm -rf $d && mkdir -p $d/whl
   case $rel in
-  0.5.17) d=.sgl17; "${PIPDL[@]}" -d $w sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 || exit 1
-    mkdir -p $d/whl && "${PIPDL[@]}" -d $d/whl transformers==5.12.1 tokenizers==0.22.2 jsonschema==4.26.0 \
+  0.5.17) "${PIPDL[@]}" -d $w sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 || exit 1
+    "${PIPDL[@]}" -d $d/whl transformers==5.12.1 tokenizers==0.22.2 jsonschema==4.26.0 \
       jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 "${SGL_DEPS[@]/apache-tvm-ffi/apache-tvm-ffi==0.1.11}" || exit 1
     # sglang without its Rust server and multimodal cores, diffusion and tests; flashinfer whole (JIT sources)
     mkdir $w/s && unzip -q $w/sglang-*.whl -d $w/s && (cd $w/s && rm -rf sglang/multimodal_gen sglang/test \
-      sglang/srt/server/_core*.so sglang/srt/multimodal/_core*.so && tar -cJf - .) > $d/sglang-slim.tar.xz
-    mkdir $w/f && unzip -q $w/flashinfer_python-*.whl -d $w/f && (cd $w/f && tar -cJf - .) > $d/flashinfer.tar.xz ;;
-  0.5.12) d=.sgl; "${PIPDL[@]}" -d $w sglang-kernel==0.4.2.post2 flashinfer-python==0.6.11.post1 || exit 1
-    mkdir -p $d/whl && "${PIPDL[@]}" -d $d/whl sglang==0.5.12.post1 transformers==5.6.0 tokenizers==0.22.2 \
+      sglang/srt/server/_core*.so sglang/srt/multimodal/_core*.so && tar -cJf - .) > $d/sglang-slim.tar.xz || exit 1
+    mkdir $w/f && unzip -q $w/flashinfer_python-*.whl -d $w/f && (cd $w/f && tar -cJf - .) > $d/flashinfer.tar.xz || exit 1 ;;
+  0.5.12) "${PIPDL[@]}" -d $w sglang-kernel==0.4.2.post2 flashinfer-python==0.6.11.post1 || exit 1
+    "${PIPDL[@]}" -d $d/whl sglang==0.5.12.post1 transformers==5.6.0 tokenizers==0.22.2 \
       jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
       "${SGL_DEPS[@]/apache-tvm-ffi/apache-tvm-ffi==0.1.9}" || exit 1
     # flashinfer without its JIT sources: this release's SGLang only imports it
     mkdir $w/f && unzip -q $w/flashinfer_python-*.whl -d $w/f && (cd $w/f && rm -rf flashinfer/data/{cutlass,cccl,csrc,include,spdlog} \
-      && tar -cJf - .) > $d/flashinfer-slim.tar.xz ;;
-  *) echo "usage: bash bench/gpu.sh sglang-carry 0.5.17|0.5.12"; exit 2 ;;
+      && tar -cJf - .) > $d/flashinfer-slim.tar.xz || exit 1 ;;
   esac
   # sglang-kernel without FA3 (1.1 GB: the servers run Triton or FlashInfer attention), FlashMLA, InfLLM, sm100
   mkdir $w/k && unzip -q $w/sglang_kernel-*.whl -d $w/k && (cd $w/k && rm -rf sgl_kernel/flash_ops.abi3.so \
     sgl_kernel/flashmla_ops.abi3.so sgl_kernel/infllm_ops*.so sgl_kernel/sm100 lib include _mscclpp* && tar -cJf - .) \
-    > $d/sglk-slim.tar.xz
+    > $d/sglk-slim.tar.xz || exit 1
   python3 bench/live/carry.py "$d" "$rel" && rm -rf $w && du -sh $d && echo "$(ls $d/whl | wc -l) wheels"
 }
 
@@ -132,11 +133,11 @@ run=${1:-help}; shift || true
 LOG="$OUT/$run.log"
 case $run in
 tests)
-  : > "$LOG"; machine; install_wheels
+  : > "$LOG"; install_wheels; machine
   stage "GPU tests" ${TEST_LIMIT:-570} python3 -m pytest -m gpu -q -rs --runslow -p no:cacheprovider "${@:-tests}"
   tests_summary "$LOG" ;;
 decode|tiers)
-  : > "$LOG"; machine; install_wheels
+  : > "$LOG"; install_wheels; machine
   args=(--identity-check --out "$OUT/decode_loop")
   [ "$run" = tiers ] && args=(--tiers 4x2:8,4x1:4 --concurrency 1,2,4,8,16,32,64,128 --identity-check --out "$OUT/decode_tiers")
   stage "decode_loop ${args[*]} $*" ${LOOP_LIMIT:-570} python3 bench/decode_loop.py "${args[@]}" "$@"
@@ -158,7 +159,7 @@ sglang-live|sglang-classic)
   N=$(nproc); [ "$N" -ge 8 ] && pin=(--cpus "0-$((N - 5))") && [ "$run" = sglang-live ] && pin+=(--client-cpus "$((N - 4))-$((N - 1))")
   exec python3 $script --out "$OUT" --models "$PWD/$carry/models" --python python3 --server-cwd "$rundir/gp" \
     "${pin[@]}" --deadline-s $((DEADLINE_S - SECONDS)) "$@" ;;
-sglang-carry) (set -e; sglang_carry "$@") ;;
+sglang-carry) sglang_carry "$@" ;;
 sglang-tests)
   wheels=.whl/sglang514
   if [ "${1:-run}" = make ]; then  # SGLang 0.5.14: the first runner-API release, and one pinning the H200's torch 2.11
@@ -179,7 +180,7 @@ sglang-tests)
     tests/test_sglang_runner_api.py tests/test_sglang_spec_switch_v2.py
   tests_summary "$LOG" ;;
 tp)
-  : > "$LOG"; machine; install_wheels
+  : > "$LOG"; install_wheels; machine
   # NVLink multicast stays off (NVLS in NCCL, multicast in torch's symmetric memory): never turn it on here.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TP=${TP:-2}
   # the C++ checker built once here, or every spawned rank of every test waits on the build lock

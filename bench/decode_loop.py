@@ -47,10 +47,10 @@ plain step took 1.65 ms (2.1x) and a speculative one 4.2 ms (3.4x), plus a host 
 speculation then barely won at C = 1. Issue 11 goes after those causes: fused Triton kernels for the norms,
 rotary and SwiGLU (:mod:`bench.engine.fused`), FlashInfer attention planned once with its metadata built
 in the graph (:mod:`bench.engine.fi_attention`), fewer ops in the tree acceptance, and a loop that queues
-the next verify step before reading the last one's accept lengths (``--run-ahead``). ``bench/profile_step.py``
-shows where a step's time goes. Eager plain steps (dyn-eager) still launch every op from Python (~100
-ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among the slowest), which is
-what graphs exist to remove.
+the next verify step before reading the last one's accept lengths (``--run-ahead``); where a step's time
+went, kernel by kernel: bench/RESULTS_HISTORY.md (runs T to AW). Eager plain steps (dyn-eager) still launch
+every op from Python (~100 ops, each a few to tens of microseconds of host time, FlashInfer's wrappers among
+the slowest), which is what graphs exist to remove.
 
 Windows last at least one second on a GPU (``--min-seconds``) as well as ``--steps`` steps. Each request
 costs a prefill (~1.3 ms at batch size 1 here) and, with speculation, a wait at its end (the host must
@@ -83,14 +83,15 @@ from bench.engine.costs import plain_step, roofline_table, spec_step, total_para
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.gemv import use_skinny  # noqa: E402
-from bench.engine.harness import BLAS, build, select_blas  # noqa: E402
+from bench.engine.harness import build  # noqa: E402
 from bench.engine.identity import greedy_identity  # noqa: E402
 from bench.engine.loop import CHOSEN, DecodeLoop, fixed_tier_variants, make_requests  # noqa: E402
 from bench.engine.model import KERNELS  # noqa: E402
 from bench.engine.tp_launch import add_arguments as add_tp_arguments, run_ranks  # noqa: E402
 from graphpool.bench.outputs import OutputError, OutputSet  # noqa: E402
 from bench.decode_report import (LABELS, ROOFLINE_LEGEND, STATS_LEGEND, TIERS_LEGEND, acceptance,  # noqa: E402
-                                 acceptance_lines, check_targets, count, explain, label, plot, table)
+                                 acceptance_lines, check_targets, count, explain, identical, label, plot,
+                                 steps_table, table)
 from bench import decode_tiers  # noqa: E402
 from graphpool import SpeculationPolicy, TierSchedule  # noqa: E402
 
@@ -106,15 +107,15 @@ class Preset:
     """A model size and the benchmark settings that go with it (override any of them on the command line)."""
 
     model: Callable[[], ModelConfig]
-    draft_noise: float   # sets the acceptance rate; see bench/engine/acceptance.py to measure it
+    draft_noise: float   # sets the acceptance rate (the accept column of a spec run measures it)
     prompt_len: int
     min_new: int
     max_new: int
 
 
 PRESETS = {
-    # Noise 0.2: 2.55-2.73 tokens committed per verify step (CPU, float32, 40-96 samples, with
-    # bench/engine/acceptance.py; 0.22: 2.44, 0.3: 1.93, 0.1: 3.65). bf16 on the H200 ran ~4 % higher for `small`.
+    # Noise 0.2: 2.55-2.73 tokens committed per verify step (CPU, float32, 40-96 samples; 0.22: 2.44, 0.3: 1.93,
+    # 0.1: 3.65; bench/RESULTS_HISTORY.md, removed probes). bf16 on the H200 ran ~4 % higher for `small`.
     "medium": Preset(ModelConfig.medium, draft_noise=0.2, prompt_len=32, min_new=96, max_new=112),
     "small": Preset(ModelConfig.small, draft_noise=0.05, prompt_len=32, min_new=64, max_new=128),
     "tiny": Preset(ModelConfig.tiny, draft_noise=0.05, prompt_len=12, min_new=8, max_new=24),
@@ -165,8 +166,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the speculative step's selection work (each draft level's top-k and next beam, the "
                         "tree's selection, the greedy acceptance and commit): torch ops, or one Triton kernel "
                         "each (bench/engine/draft_select.py, tree_kernels.py); auto: the kernels on CUDA")
-    p.add_argument("--blas", default="default", choices=BLAS,
-                   help="torch's preferred BLAS library for the GEMMs (CUDA; default: torch's choice)")
     p.add_argument("--skinny", default="on", choices=["on", "off"],
                    help="16-bit products of 2-16 tokens (draft levels, verify at C = 1, plain decode at C <= 16) "
                         "through the skinny tensor-core GEMM of bench/engine/skinny.py, or the BLAS library")
@@ -404,8 +403,9 @@ def run(tp, args: argparse.Namespace) -> int:
     gpu = args.device.startswith("cuda")
     if not gpu:
         print("decode_loop: CPU smoke run of the code path: graphpool's eager twin calls the step functions "
-              "(no CUDA graphs), so the timings below are not a speed measurement and no crossover, threshold "
-              "or roofline conclusion is drawn from them. Run on a CUDA GPU for those.", flush=True)
+              "(no CUDA graphs), so this run is not a speed measurement: it shows what ran (graphs, steps by mode, "
+              "outputs against plain decoding) and draws no crossover, threshold or roofline conclusion. Run on a "
+              "CUDA GPU for those.", flush=True)
     print(f"decode_loop: {args.size} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
           f"{cfg.intermediate_size}, {count(total_params(cfg))} parameters) in {args.dtype} on {args.device}"
           + ("" if gpu else " (eager twin)")
@@ -415,7 +415,6 @@ def run(tp, args: argparse.Namespace) -> int:
           f"outputs {args.min_new}-{args.max_new} tokens, {args.steps} timed steps per run", flush=True)
     t0 = time.perf_counter()
     try:
-        blas = select_blas(args.blas, args.device)
         use_skinny(args.skinny == "on")  # before the pool captures
         engine, pool = build(cfg, spec, args.concurrency, args.prompt_len, args.max_new, args.device,
                              dtype_from_name(args.dtype), args.backend, seed=args.seed, progress=True, tp=tp,
@@ -425,9 +424,10 @@ def run(tp, args: argparse.Namespace) -> int:
     kernels = "fused" if engine.target.fused else "torch"
     selection = "fused" if engine.fused_draft_select else "torch"
     selection += " (auto)" if spec.draft_select == "auto" else ""
-    print(f"built engine and captured {len(pool.graph_keys)} graphs in {time.perf_counter() - t0:.1f} s "
+    graphs = len(pool.graph_keys)
+    print(f"built engine and captured {graphs} graphs in {time.perf_counter() - t0:.1f} s "
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
-          f"draft selection, {blas} GEMMs, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
+          f"draft selection, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
     roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
     roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
@@ -468,9 +468,11 @@ def run(tp, args: argparse.Namespace) -> int:
                           else decode_tiers.schedule(bounds, pool.modes) if v == "tiers" else None)
                 r = results[(v, c)] = run_variant(engine, pool, v, c, args, policy)
                 done += 1
-                steps = ", ".join(f"{n} {k}" for k, n in r["steps"].items() if n)
-                print(f"[{done}/{total}] {label(v):<10} C={c:<4} {r['tokens_per_s']:>10.1f} tok/s  steps: {steps}"
-                      f"  accept {r['mean_accept'] or float('nan'):.2f}  misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
+                steps = ", ".join(f"{n} {k.replace('_decode', ' decode')}" for k, n in r["steps"].items() if n)
+                speed = f"{r['tokens_per_s']:>10.1f} tok/s  " if gpu else ""  # the eager twin's: no measurement
+                accept = f"{r['mean_accept']:.2f}" if r["mean_accept"] else "-"
+                print(f"[{done}/{total}] {label(v):<10} C={c:<4} {speed}steps: {steps}  accept {accept}  "
+                      f"misses {r['graph_misses']}  ({r['wall_s']:.1f} s)", flush=True)
     for (v, c), r in results.items():
         if v != "plain" and ("plain", c) in results:
             r["match_vs_plain"] = match_rate(results[("plain", c)]["outputs"], r["outputs"])
@@ -489,7 +491,7 @@ def run(tp, args: argparse.Namespace) -> int:
                             "graph_mib_by_mode": {m: pool.stats.mode_bytes(m) / 2**20 for m in pool.modes}},
             "graph_table": pool.stats.table(),
             "attention": engine.attention, "kernels": kernels,
-            "draft_select": "fused" if engine.fused_draft_select else "torch", "blas": blas, "skinny": args.skinny,
+            "draft_select": "fused" if engine.fused_draft_select else "torch", "skinny": args.skinny,
             "args": {k: v for k, v in vars(args).items() if k != "outputs"}, "total_s": time.perf_counter() - t0,
             "tp": tp.size if tp is not None else 1}
     modes = pool.modes
@@ -530,18 +532,18 @@ def run(tp, args: argparse.Namespace) -> int:
         note = f"crossover: {seen}; {chosen}"
     if identity is not None and not gpu:
         print(acceptance_lines(passed[-1:]))
-    print(table(results, args.concurrency, checks, gpu, note))
     if gpu:
+        print(table(results, args.concurrency, checks, note))
         print(f"acceptance (issue 11), {meta['attention']} attention, {kernels} kernels:")
         print(acceptance_lines(passed))
     else:
+        print(steps_table(results, args.concurrency))
         steps = sum(sum(r["steps"].values()) for r in results.values())
         misses = sum(row["misses"] for row in checks)
-        matched = [r["match_vs_plain"]["identical"] for (v, _), r in results.items()
-                   if v in CHOSEN and r.get("match_vs_plain", {}).get("identical") is not None]
-        print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {steps} timed steps over "
-              f"{len(results)} runs, {misses} graph misses; dynamic and tiered runs identical to plain decode in "
-              f"{sum(m == 1.0 for m in matched)} of {len(matched)}. Speed, crossover and targets: run on a CUDA GPU.")
+        same, compared = identical(results)
+        print(f"CPU smoke run done in {time.perf_counter() - t0:.1f} s: {graphs} graphs, {steps} timed steps over "
+              f"{len(results)} runs, {misses} graph misses; runs identical to plain decode: {same} of {compared}. "
+              "Speed, crossover and targets: run on a CUDA GPU.")
     return 0
 
 

@@ -100,56 +100,90 @@ def _ratio(row: dict, value: str, ok: str) -> str:
     return f"{row[value]:>8.2f}{'' if row[ok] else '!'}" if value in row else f"{'-':>9}"
 
 
-def table(results: dict, cs: list[int], checks: list[dict], gpu: bool = True, policy_note: str = "") -> str:
-    """The summary table printed last, each column explained under it. On a GPU the ratio columns judge
-    the speed targets and ``policy_note`` (the crossover and the threshold the dynamic runs used) comes
-    before the targets line; on a CPU (the eager twin) no ratio is shown: its timings are no measurement."""
+def table(results: dict, cs: list[int], checks: list[dict], policy_note: str = "") -> str:
+    """The GPU run's summary table, printed last, each column explained under it: output tokens/s per variant,
+    the ratio columns judging the speed targets, ``policy_note`` (the crossover and the threshold the dynamic
+    runs used), then the targets line. A CPU run prints :func:`steps_table` instead: its timings are no
+    measurement."""
     cols = columns(results)
     tiered = "tiers" in cols
     targets = [("dyn/best", "dyn_over_best", "dyn_ok"), ("dyn/eager", "dyn_over_eager", "eager_ok")]
     if tiered:
         targets += [("tier/fixed", "tiers_over_fixed", "tiers_ok"), ("tier/dyn", "tiers_over_dyn", "tiers_dyn_ok")]
-    head = f"{'C':>4} " + " ".join(f"{label(v):>10}" for v in cols) + f" {'accept':>6}"
-    head += "".join(f" {name:>9}" for name, _, _ in targets) if gpu else ""
-    head += f" {'match':>6}"
-    lines = ["output tokens/s by concurrency C" + ("" if gpu else " (eager twin on CPU: not a speed measurement)"),
-             head]
+    head = (f"{'C':>4} " + " ".join(f"{label(v):>10}" for v in cols) + f" {'accept':>6}"
+            + "".join(f" {name:>9}" for name, _, _ in targets) + f" {'match':>6}")
+    lines = ["output tokens/s by concurrency C", head]
     by_c = {row["concurrency"]: row for row in checks}
     for c in cs:
         cells = [f"{_tps(results, v, c):>10.1f}" if (v, c) in results else f"{'-':>10}" for v in cols]
-        spec = results.get(("spec", c)) or results.get(("dynamic", c))
-        acc = f"{spec['mean_accept']:>6.2f}" if spec and spec["mean_accept"] else f"{'-':>6}"
-        row = by_c[c]
-        ratios = "".join(f" {_ratio(row, value, ok):>9}" for _, value, ok in targets) if gpu else ""
+        ratios = "".join(f" {_ratio(by_c[c], value, ok):>9}" for _, value, ok in targets)
         m = (results.get(("dynamic", c)) or {}).get("match_vs_plain", {}).get("identical")
-        lines.append(f"{c:>4} " + " ".join(cells) + f" {acc}" + ratios
+        lines.append(f"{c:>4} " + " ".join(cells) + f" {_accept(results, c):>6}" + ratios
                      + " " + (f"{m:>6.2f}" if m is not None else f"{'-':>6}"))
     lines += [explain(t) for t in (
         "C: requests in flight. plain, spec, dynamic, dyn-eager: output tokens/s of variants (i)-(iv): plain "
         "decode always; speculation always; SpeculationPolicy per step, both modes from the pool; the same, "
         "plain steps eager. '-': not run.",
-        "accept: tokens committed per sequence per verify step (the spec run's, else dynamic's; '-': no "
-        "verify step ran). match: share of requests whose dynamic output equals plain decode's, token for "
+        ACCEPT_LEGEND + " match: share of requests whose dynamic output equals plain decode's, token for "
         "token ('-': nothing to compare).")]
     if tiered:
         lines.append(explain("spec <n>: the shorter tier of n draft tokens on every step. tiers: (v), a TierSchedule "
                              "choosing the tier per step by batch size, plain decode last (docs/tiers.md)."))
-    if gpu:
-        lines.append(explain("dyn/best: dynamic / max(plain, spec), target >= 0.95. dyn/eager: dynamic / dyn-eager, "
-                     "target >= 1.5, judged at C >= 32 only ('-' below 32). '!': that target missed."))
-        if tiered:
-            lines.append(explain("tier/fixed: tiers / the best fixed tier (plain, spec, spec <n>), target >= 0.98. "
-                                 "tier/dyn: tiers / dynamic, target > 1, judged where a shorter tier beats both plain "
-                                 "and spec ('-' elsewhere)."))
+    lines.append(explain("dyn/best: dynamic / max(plain, spec), target >= 0.95. dyn/eager: dynamic / dyn-eager, "
+                         "target >= 1.5, judged at C >= 32 only ('-' below 32). '!': that target missed."))
+    if tiered:
+        lines.append(explain("tier/fixed: tiers / the best fixed tier (plain, spec, spec <n>), target >= 0.98. "
+                             "tier/dyn: tiers / dynamic, target > 1, judged where a shorter tier beats both plain "
+                             "and spec ('-' elsewhere)."))
     if policy_note:
         lines.append(policy_note)
-    if not gpu:
-        return "\n".join(lines)
     failed = [r["concurrency"] for r in checks if r["misses"] or any(r.get(ok) is False for _, _, ok in targets)]
     lines.append("targets: dynamic >= 0.95 x max(plain, spec) at every C; dynamic >= 1.5 x dyn-eager at C >= 32; "
                  + ("tiers >= 0.98 x the best fixed tier at every C, and above dynamic where a shorter tier wins; "
                     if tiered else "")
                  + "no graph misses -> " + (f"MISSED at C = {failed} (marked !)" if failed else "all met"))
+    return "\n".join(lines)
+
+
+ACCEPT_LEGEND = ("accept: tokens committed per sequence per verify step (the spec run's, else dynamic's; '-': no "
+                 "verify step ran).")
+
+
+def _accept(results: dict, c: int) -> str:
+    spec = results.get(("spec", c)) or results.get(("dynamic", c))
+    return f"{spec['mean_accept']:.2f}" if spec and spec["mean_accept"] else "-"
+
+
+def identical(results: dict, c: int | None = None) -> tuple[int, int]:
+    """Runs (at ``c``, or at every C) whose output equals plain decoding's token for token, and runs compared."""
+    same = [r["match_vs_plain"]["identical"] == 1.0 for (v, rc), r in results.items()
+            if (c is None or rc == c) and r.get("match_vs_plain", {}).get("identical") is not None]
+    return sum(same), len(same)
+
+
+def steps_table(results: dict, cs: list[int]) -> str:
+    """A CPU run's summary table, printed last: what each variant ran at each C (its timed steps by mode), the
+    acceptance, and how many runs gave plain decoding's tokens. No timings: the eager twin's are no measurement."""
+    cols = columns(results)
+    cell = {(v, c): ", ".join(f"{n} {m.replace('_decode', ' decode')}"
+                              for m, n in results[(v, c)]["steps"].items() if n) or "0"
+            for v in cols for c in cs if (v, c) in results}
+    width = {v: max([len(label(v))] + [len(cell.get((v, c), "-")) for c in cs]) for v in cols}
+    lines = ["steps by mode at each concurrency C (eager twin on CPU: what ran, not how fast)",
+             f"{'C':>4}  " + "  ".join(f"{label(v):<{width[v]}}" for v in cols) + f"  {'accept':>6}  {'= plain':>7}"]
+    for c in cs:
+        same, runs = identical(results, c)
+        lines.append(f"{c:>4}  " + "  ".join(f"{cell.get((v, c), '-'):<{width[v]}}" for v in cols)
+                     + f"  {_accept(results, c):>6}  " + (f"{same}/{runs}" if runs else "-").rjust(7))
+    lines += [explain(t) for t in (
+        "C: requests in flight. plain, spec, dynamic, dyn-eager"
+        + (", spec <n>, tiers" if any(v.startswith("spec_") or v == "tiers" for v in cols) else "")
+        + ": each variant's timed steps by the mode it ran: decode (plain decode), verify (speculation), "
+        "verify_<n> (a shorter tier, --tiers), eager decode (a plain step run eagerly, dyn-eager's). On a CPU "
+        "the policies' bounds sit at the smallest C, so the chosen variants take more than one mode across C. "
+        "'-': not run.",
+        ACCEPT_LEGEND + " = plain: runs at this C whose output equals plain decoding's, token for token, of the "
+        "runs compared.")]
     return "\n".join(lines)
 
 

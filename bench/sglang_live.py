@@ -15,7 +15,7 @@ the same flags (``--disable-overlap-schedule`` too: SGLang's EAGLE v1 worker, th
 needs it). Workloads: see ``bench/live/workloads.py``. A deadline (``--deadline-s``) skips what no longer
 fits and still prints the table. ``--cpus 0-7`` runs every server (and the processes it starts) on the
 same cores, so servers compared one after another are not placed differently by the OS. Needs a GPU and
-SGLang importable: run ``bench/sglang_live.sh``, which lays them out (see integrations/sglang/README.md). Writes server logs, ``sglang_live.json`` and
+SGLang importable: run ``bash bench/gpu.sh sglang-classic``, which lays them out (docs/benchmarks.md). Writes server logs, ``sglang_live.json`` and
 ``summary.txt`` to ``--out`` (at most 8 files).
 """
 from __future__ import annotations

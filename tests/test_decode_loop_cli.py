@@ -23,13 +23,22 @@ def test_cli_tiny_cpu_run_writes_json_png_and_table(tmp_path, capsys):
     assert runs[("dynamic", 1)]["steps"]["verify"] > 0 and runs[("dynamic", 4)]["steps"]["decode"] > 0
     text = capsys.readouterr().out
     assert "CPU smoke run of the code path" in text and "not a speed measurement" in text
-    assert text.rstrip().splitlines()[-1].startswith("CPU smoke run done")
-    # No conclusion from eager-twin timings: no roofline, no crossover, no target ratios.
+    last = text.rstrip().splitlines()[-1]
+    assert last.startswith("CPU smoke run done") and "6 graphs" in last and "identical to plain decode: 6 of 6" in last
+    # No speed figure and no conclusion from eager-twin timings: no tok/s, roofline, crossover or target ratio.
+    assert "tok/s" not in text and "tokens/s" not in text
     assert "roofline (" not in text and "spec beat plain" not in text and "dyn/best" not in text
     assert " k parameters" in text and "0.00 B" not in text
+    # What ran, per C: dynamic speculates at the smallest C only (the fixed CPU threshold), dyn-eager's plain
+    # steps are eager; every run's output equals plain decoding's.
+    table = text[text.index("steps by mode at each concurrency C"):].splitlines()
+    assert table[1].split() == ["C", "plain", "spec", "dynamic", "dyn-eager", "accept", "=", "plain"]
+    assert table[2].split()[:9] == ["1", "4", "decode", "4", "verify", "4", "verify", "4", "verify"]
+    assert table[3].split()[:10] == ["4", "4", "decode", "4", "verify", "4", "decode", "4", "eager", "decode"]
+    assert table[2].split()[-1] == table[3].split()[-1] == "3/3"
     # Every column of the two tables is explained under it, the prefill mode too.
     for word in ("mode:", "prefill (", "bs:", "capture ms:", "graph MiB:", "replays:", "padded rows:",
-                 "C:", "plain, spec, dynamic, dyn-eager:", "accept:", "match:", "'-':"):
+                 "C:", "plain, spec, dynamic, dyn-eager:", "accept:", "= plain:", "'-':"):
         assert word in " ".join(text.split()), word  # legends are wrapped
 
 
@@ -44,7 +53,7 @@ def test_gpu_table_explains_ratio_columns_and_marks():
     results = {(v, c): {"tokens_per_s": t, "mean_accept": 2.5 if v != "plain" else 0.0, "graph_misses": 0}
                for c in (1, 32) for v, t in (("plain", 100.0), ("spec", 150.0), ("dynamic", 120.0),
                                              ("dynamic_eager_plain", 100.0))}
-    text = table(results, [1, 32], check_targets(results, [1, 32]), gpu=True, policy_note="crossover: x")
+    text = table(results, [1, 32], check_targets(results, [1, 32]), policy_note="crossover: x")
     flat = " ".join(text.split())
     assert "0.80!" in text and "'!': that target missed" in flat and "dyn/eager:" in flat
     assert text.splitlines()[-1].startswith("targets:") and "MISSED at C = [1, 32]" in text
@@ -184,22 +193,6 @@ def test_draft_select_flag_refuses_what_the_machine_cannot_run(tmp_path, monkeyp
                           "--out", str(tmp_path / "dl")])
 
 
-def test_blas_flag_is_recorded_and_refused_off_cuda(tmp_path, capsys):
-    """``--blas``: the default leaves torch's choice and the JSON records the library that ran; a CUDA
-    library on a CPU run stops with one line naming the option."""
-    import pytest
-    from bench.engine.harness import select_blas
-    out = tmp_path / "dl"
-    assert decode_loop.main(["--device", "cpu", "--concurrency", "1", "--steps", "2", "--variants", "plain",
-                             "--out", str(out)]) == 0
-    blas = json.loads(out.with_suffix(".json").read_text())["meta"]["blas"]
-    assert blas == select_blas("default", "cpu") and f"{blas} GEMMs" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="blas='cublas' picks a CUDA library"):
-        decode_loop.main(["--device", "cpu", "--concurrency", "1", "--blas", "cublas", "--out", str(out)])
-    with pytest.raises(ValueError, match="blas must be one of"):
-        select_blas("mkl", "cpu")
-
-
 @pytest.mark.parametrize("argv, says", [
     (["--concurrency", "1,x"], "--concurrency: takes a comma list of positive integers"),
     (["--concurrency", "0"], "--concurrency: takes positive integers"),
@@ -254,7 +247,7 @@ def test_the_json_and_plot_are_written_together_or_not_at_all(tmp_path, monkeypa
     monkeypatch.setattr(decode_loop, "plot", lambda *a, **k: None)  # no matplotlib: the old plot must go
     assert decode_loop.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run_c1.5.json"]
-    assert json.loads(pair[0].read_text())["meta"]["blas"] == "torch's cpu"
+    assert json.loads(pair[0].read_text())["meta"]["size"] == "tiny"
 
 
 def test_a_tiered_cpu_run_takes_every_tier_and_reports_each(tmp_path, capsys):
@@ -274,7 +267,10 @@ def test_a_tiered_cpu_run_takes_every_tier_and_reports_each(tmp_path, capsys):
                                                                      "prefill"}
     text = capsys.readouterr().out
     assert "tiers: verify <= 1 | verify_8 <= 2 | verify_4 <= 4 | decode (fixed at the smallest C" in text
-    assert "spec 8" in text and "tiers: (v), a TierSchedule" in " ".join(text.split())
+    table = text[text.index("steps by mode at each concurrency C"):].splitlines()
+    assert table[1].split()[:8] == ["C", "plain", "spec", "dynamic", "dyn-eager", "spec", "8", "tiers"]
+    assert table[3].split() == ["2", "3", "decode", "-", "-", "-", "3", "verify_8", "3", "verify_8", "-", "2/2"]
+    assert "plain, spec, dynamic, dyn-eager, spec <n>, tiers:" in " ".join(text.split())
 
 
 def test_tier_bounds_follow_the_fixed_tiers_and_leave_out_a_tier_that_never_wins():
@@ -326,7 +322,7 @@ def test_gpu_table_and_acceptance_judge_the_tiers():
     assert checks[0]["tiers_over_fixed"] == pytest.approx(110 / 150) and not checks[0]["tiers_ok"]
     assert checks[0]["tiers_over_dyn"] == pytest.approx(110 / 119) and not checks[0]["tiers_dyn_ok"]
     assert checks[1]["tiers_ok"] and "tiers_over_dyn" not in checks[1]
-    text = table(results, [4, 32], checks, gpu=True)
+    text = table(results, [4, 32], checks)
     assert "spec 8" in text and "tier/fixed" in text and "0.73!" in text and "0.92!" in text
     assert "MISSED at C = [4]" in text.splitlines()[-1]
     judged = {name: ok for name, ok, _ in acceptance(results, [4, 32], checks, {})}

@@ -90,17 +90,6 @@ def test_linear_falls_back_to_torch_where_the_gemv_does_not_apply(monkeypatch):
     assert torch.equal(gemv.linear_silu_mul(x, w, fused=False), silu_mul(F.linear(x, w), False))
 
 
-def test_use_gemv_turns_it_off_and_on(monkeypatch):
-    x, w = _operands(1, 16, 32, torch.bfloat16, seed=8)
-    monkeypatch.setattr(gemv, "GEMV_MAX_ROWS", gemv.GEMV_MAX_ROWS)  # restored after the test
-    gemv.use_gemv(False)
-    assert not gemv.gemv_applies(x, w)
-    assert torch.equal(gemv.linear(x, w, fused=True), F.linear(x, w))
-    assert torch.equal(gemv.linear_silu_mul(x, w, fused=True), silu_mul(F.linear(x, w), True))
-    gemv.use_gemv(True)
-    assert gemv.gemv_applies(x, w)
-
-
 def test_gemv_rejects_bad_shapes():
     x, w = _operands(1, 16, 32, torch.bfloat16, seed=6)
     with pytest.raises(ValueError, match="last dimensions must agree"):

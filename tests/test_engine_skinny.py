@@ -93,15 +93,6 @@ def test_skinny_rejects_bad_operands():
     assert not skinny.skinny_applies(x[:1], w)  # one row is the GEMV's
 
 
-def test_configs_load_from_a_probe_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(skinny, "CONFIGS", {})
-    path = tmp_path / "probe.json"
-    path.write_text('{"skinny_best": [{"n": 80, "k": 256, "silu": false, "config": [32, 64, 4, 3, 2]}]}')
-    skinny.load_configs(path)
-    assert skinny.skinny_config(80, 256) == (32, 64, 4, 3, 2)
-    assert skinny.skinny_config(80, 256, silu=True) != (32, 64, 4, 3, 2)  # another key: the rule of thumb
-
-
 @pytest.mark.gpu
 def test_skinny_in_cuda_graph_equals_eager_at_model_shapes(monkeypatch):
     """The medium model's projections at 4 and 16 rows (a draft level, a verify step at C = 1), with the

@@ -190,7 +190,7 @@ def test_decode_loop_cli_tp2_cpu(tmp_path, capfd):
     assert {r["variant"] for r in data["results"]} == {"plain", "spec", "dynamic"}
     assert all(r["tokens"] > 0 and r["graph_misses"] == 0 for r in data["results"])
     text = capfd.readouterr().out  # rank 1's stdout goes to /dev/null: the table is printed once
-    assert text.count("output tokens/s by concurrency") == 1 and "tensor parallel over 2 ranks" in text
+    assert text.count("steps by mode at each concurrency") == 1 and "tensor parallel over 2 ranks" in text
 
 
 # ------------------------------------------------------------------------------------------ GPU (--tp N)

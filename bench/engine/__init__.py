@@ -22,7 +22,6 @@ Stable pieces (import them on their own):
   greedy acceptance with its commit) and its index arithmetic as one Triton kernel each, beside the torch code of
   :mod:`bench.engine.tree` and ``Engine`` they replace (``SpecConfig.draft_select``).
 * :mod:`bench.engine.costs`: FLOPs, bytes and roofline time of a plain and a speculative step.
-* :mod:`bench.engine.acceptance`: measure the draft's acceptance for a size and noise (CPU is enough).
 * :mod:`bench.engine.parallel`: :class:`TensorParallel` (sharded layers, collectives; how every rank takes the
   same decision per step), :mod:`graphpool.agreement` (the per-step cross-rank check and
   :class:`RankDisagreementError`), :mod:`bench.engine.tp_launch` (spawn or torchrun, teardown order).

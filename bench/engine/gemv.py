@@ -36,17 +36,9 @@ if triton is not None:
 
     from .fused import swiglu
 
-GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS (0: never)
+GEMV_MAX_ROWS = 1          # input rows (tokens) up to which the GEMV replaces cuBLAS
 SKINNY = True              # 2-16 rows through bench.engine.skinny instead of cuBLAS (use_skinny)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def use_gemv(enabled: bool) -> None:
-    """Turn the GEMV on (the default) or off for this process: off, every projection runs ``F.linear`` (the
-    library's GEMM, then the SwiGLU kernel), as the engine did before it. Read at each call, so set it
-    before a pool captures (``bench/profile_step.py --gemv off``)."""
-    global GEMV_MAX_ROWS
-    GEMV_MAX_ROWS = 1 if enabled else 0
 
 
 def use_skinny(enabled: bool) -> None:
@@ -70,9 +62,9 @@ def gemv_config(n: int, k: int, silu: bool = False) -> tuple[int, int, int, int]
     each output reads a gate and an up row).
 
     One output per program (``n`` programs: thousands, so every SM holds many and has loads in flight),
-    8 warps, the row in blocks of 2048 (1024 for rows longer than 4096). Picked from
-    ``bench/gemv_probe.py --sweep`` on the H200 (run AD in bench/RESULTS_HISTORY.md): within 0.2 us of the best of
-    72 configurations at every shape of the medium model, and 8-28 % faster than cuBLAS at each.
+    8 warps, the row in blocks of 2048 (1024 for rows longer than 4096). Picked from a sweep on the H200
+    (run AD in bench/RESULTS_HISTORY.md, by a probe since removed): within 0.2 us of the best of 72
+    configurations at every shape of the medium model, and 8-28 % faster than cuBLAS at each.
     """
     return 1, min(2048 if k <= 4096 else 1024, triton.next_power_of_2(k)), 8, 1
 
@@ -115,7 +107,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu: bool = False,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton GEMV of one row ``x [1, K]``: ``F.linear(x, weight)``, or with ``silu`` the SwiGLU of the
     gate/up product (:func:`linear_silu_mul`). ``config`` overrides :func:`gemv_config`'s ``(BLOCK_N,
-    BLOCK_K, num_warps, stages)`` (``bench/gemv_probe.py`` sweeps it). CUDA, or CPU tensors in Triton's
+    BLOCK_K, num_warps, stages)``. CUDA, or CPU tensors in Triton's
     interpreter."""
     n = check_operands(x, weight, silu, 1, "GEMV")
     k = x.shape[1]

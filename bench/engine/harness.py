@@ -15,25 +15,6 @@ from .parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
-BLAS = ("default", "cublas", "cublaslt")
-
-
-def select_blas(name: str, device: torch.device | str) -> str:
-    """Make ``name`` (one of :data:`BLAS`) torch's preferred BLAS library for the model's GEMMs and return the
-    library in use. ``"default"`` leaves torch's choice. At one token per sequence the GEMMs are most of a
-    plain step and the library picks their kernels (cuBLAS's small-M kernels split K and add a reduce
-    kernel per GEMM), so the benchmarks let a run compare them. Another library needs a CUDA device."""
-    if name not in BLAS:
-        raise ValueError(f"blas must be one of {BLAS}, got {name!r}")
-    if name != "default":
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"blas={name!r} picks a CUDA library; the run is on {torch.device(device)}: use 'default'")
-        torch.backends.cuda.preferred_blas_library(name)
-    if torch.device(device).type != "cuda":
-        return f"torch's {torch.device(device).type}"  # no CUDA library runs a CPU run's GEMMs
-    return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
-
-
 def build(cfg: ModelConfig, spec: SpecConfig, batch_sizes: list[int], prompt_len: int, max_new_tokens: int,
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str = "auto",
           prefill_batch_sizes: list[int] | None = None, seed: int = 0, progress: bool = False,

@@ -22,9 +22,6 @@ the order of the float32 sums, rounded to the model dtype once.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from .fused import triton
@@ -57,7 +54,7 @@ def skinny_config(n: int, k: int, silu: bool = False) -> Config:
 
 
 # The medium model's shapes ``(n outputs, K, silu)``: the best of 60 configurations at 4 and 16 rows on the
-# H200 (``bench/gemv_probe.py --skinny``, run AU in bench/RESULTS_HISTORY.md; scored as a speculative step at C = 1
+# H200 (run AU in bench/RESULTS_HISTORY.md, by a probe since removed; scored as a speculative step at C = 1
 # calls them, four draft levels and one verify). None of them splits K: with 64- and 128-row blocks the
 # unsplit kernel was as fast as the split one and saves the reduce launch.
 CONFIGS: dict[tuple[int, int, bool], Config] = {
@@ -66,13 +63,6 @@ CONFIGS: dict[tuple[int, int, bool], Config] = {
     (14336, 4096, True): (128, 128, 8, 3, 1),   # gate/up + SwiGLU: 55.7 / 56.3 (57.7 / 58.3, with its SwiGLU launch)
     (4096, 14336, False): (64, 256, 4, 5, 1),   # down: 30.6 / 31.3 (31.6 / 32.3)
 }
-
-
-def load_configs(path: str | os.PathLike) -> None:
-    """Replace :data:`CONFIGS` entries with those of a ``bench/gemv_probe.py --skinny --json`` file (its
-    ``skinny_best`` list); the environment variable ``BENCH_SKINNY_CONFIGS`` names one at import."""
-    for row in json.loads(open(path).read())["skinny_best"]:
-        CONFIGS[(int(row["n"]), int(row["k"]), bool(row["silu"]))] = tuple(int(v) for v in row["config"])
 
 
 if triton is not None:
@@ -173,8 +163,7 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, silu: bool, max_rows: 
 def skinny(x: torch.Tensor, weight: torch.Tensor, silu: bool = False, config: Config | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for ``x [M <= 16, K]`` (or with ``silu`` the SwiGLU of the gate/up product,
     gate rows first: ``[M, N / 2]``) in one launch, two when :func:`skinny_config` splits ``K``. ``config``
-    overrides the ``(BLOCK_N, BLOCK_K, num_warps, stages, split_k)`` choice (``bench/gemv_probe.py
-    --skinny`` sweeps it). CUDA, or CPU tensors in Triton's interpreter."""
+    overrides the ``(BLOCK_N, BLOCK_K, num_warps, stages, split_k)`` choice. CUDA, or CPU tensors in Triton's interpreter."""
     if triton is None:
         raise RuntimeError("the skinny GEMM needs Triton")
     n = check_operands(x, weight, silu, BLOCK_M, "skinny GEMM")
@@ -199,7 +188,3 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, silu: bool = False, config: Co
     _split_reduce_kernel[(m, triton.cdiv(n, block))](part, out, n, width, m * width, out.stride(0), SPLIT_K=split,
                                                      SILU_MUL=silu, BLOCK=block, num_warps=4)
     return out
-
-
-if os.environ.get("BENCH_SKINNY_CONFIGS"):
-    load_configs(os.environ["BENCH_SKINNY_CONFIGS"])

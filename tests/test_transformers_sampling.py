@@ -142,7 +142,7 @@ def sampled():
 
     The prompt: every token once, then the model's own sampled continuation, so that prompt lookup always finds a
     draft and the drafts are tokens the model gives middling to high probabilities (both branches of the rule run:
-    about a third of the drafts are accepted). This seed's continuation ends in the model's favourite token,
+    a quarter to a half of the drafts are accepted). This seed's continuation ends in the model's favourite token,
     which it repeats: the token after an accepted draft often equals the draft, so a verify step that treats a
     row's last real draft as followed by another (and so never draws it again) moves the third token's law far
     (L1 ~ 0.8) past the bound."""

@@ -170,6 +170,7 @@ def small():
     ([(4, 4, 6)], {}, "on_at_or_below=6 is above off_above=4"),
     ([(4, 4), (2, 8, 3)], {}, "taken back at <= 3, not above tier 0"),
     ([(4,)], {}, r"is not \(draft length, off_above\)"),
+    ([(2.5, 4)], {}, "not a draft length"),
     ([], {}, "at least one speculative tier"),
     ([(4, 4)], {"min_accept": {2: 1.5}}, r"min_accept names draft lengths \[2\]"),
 ])

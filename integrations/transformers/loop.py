@@ -139,8 +139,9 @@ class PoolGenerator:
         Example::
 
             gen = PoolGenerator(model, max_len=256, batch_sizes=[1, 2, 4, 8, 16], num_draft_tokens=(8, 4, 2))
-            tiers = gen.tier_schedule([(8, 2), (4, 8, 6), (2, 12)])  # 8 drafts at <= 2 requests, 4 at <= 8 (back
-            out = gen.generate(prompts, max_new_tokens=64, policy=tiers)  # at <= 6), 2 at <= 12, plain above
+            # 8 drafts at <= 2 requests, 4 at <= 8 (back at <= 6), 2 at <= 12, plain decode above
+            tiers = gen.tier_schedule([(8, 2), (4, 8, 6), (2, 12)])
+            out = gen.generate(prompts, max_new_tokens=64, policy=tiers)
             out.steps_by_mode  # e.g. {"decode": 20, "verify_2": 9, "verify_4": 14, "verify": 11}
         """
         return draft_schedule(self.pool.modes, bounds, min_accept=min_accept, window=window, pause_steps=pause_steps)

@@ -19,19 +19,19 @@ import graphpool as gp
 
 from .step import DECODE, VERIFY
 
-def draft_lengths_of(modes: Mapping[str, gp.Mode]) -> dict[str, int]:
+def verify_lengths(modes: Mapping[str, gp.Mode]) -> dict[str, int]:
     """The verify modes of a generator's pool and their draft lengths (``tokens_per_seq - 1``), longest first."""
     verify = {name: m.tokens_per_seq - 1 for name, m in modes.items() if name != DECODE}
     return dict(sorted(verify.items(), key=lambda item: -item[1]))
 
 
 def _describe(modes: Mapping[str, gp.Mode]) -> str:
-    verify = draft_lengths_of(modes)
+    verify = verify_lengths(modes)
     return ", ".join([f"{name} ({k} drafts)" for name, k in verify.items()] + [DECODE])
 
 
 def _lengths_with(modes: Mapping[str, gp.Mode], extra: int) -> tuple[int, ...]:
-    return tuple(sorted(set(draft_lengths_of(modes).values()) | {extra}, reverse=True))
+    return tuple(sorted(set(verify_lengths(modes).values()) | {extra}, reverse=True))
 
 
 def draft_schedule(modes: Mapping[str, gp.Mode], bounds: Sequence[tuple[int, float] | tuple[int, float, float]], *,
@@ -55,7 +55,7 @@ def draft_schedule(modes: Mapping[str, gp.Mode], bounds: Sequence[tuple[int, flo
             for a length not listed; and the schedule's own rules (bounds rising down the list, hysteresis that
             holds).
     """
-    by_length = {k: name for name, k in draft_lengths_of(modes).items()}
+    by_length = {k: name for name, k in verify_lengths(modes).items()}
     if not by_length:
         raise ValueError("speculation tiers need verify modes: build the PoolGenerator with num_draft_tokens > 0 "
                          "(several draft lengths for several tiers, e.g. num_draft_tokens=(8, 4, 2))")
@@ -70,6 +70,8 @@ def draft_schedule(modes: Mapping[str, gp.Mode], bounds: Sequence[tuple[int, flo
             raise ValueError(f"tier {i}: {bound!r} is not (draft length, off_above) or (draft length, off_above, "
                              f"on_at_or_below), e.g. (8, 4): 8 drafts while at most 4 requests run")
         length, *sizes = bound
+        if not isinstance(length, numbers.Integral):
+            raise ValueError(f"tier {i}: {bound!r} starts with {length!r}, not a draft length (an int)")
         if length not in by_length:
             raise ValueError(f"tier {i}: the generator has no verify mode of {length} drafts (its modes: "
                              f"{_describe(modes)}); build the PoolGenerator with num_draft_tokens="
@@ -97,14 +99,14 @@ def check_policy(policy: object, modes: Mapping[str, gp.Mode]) -> None:
     if not isinstance(policy, gp.TierSchedule):
         raise TypeError(f"policy must be a graphpool.TierSchedule (SpeculationPolicy is its two-tier case; "
                         f"PoolGenerator.tier_schedule builds one from draft lengths), got {type(policy).__name__}")
-    if not draft_lengths_of(modes):
+    if not verify_lengths(modes):
         raise ValueError("a speculation policy needs a verify mode: build the PoolGenerator with num_draft_tokens > 0 "
                          "(several for tiers), or pass policy=None for plain decode")
     for i, mode in enumerate(policy.modes):
         if mode in modes:
             continue
         name, _, suffix = mode.partition("_")
-        named = {k: m for m, k in draft_lengths_of(modes).items()}
+        named = {k: m for m, k in verify_lengths(modes).items()}
         if name == VERIFY and suffix.isdigit() and int(suffix) in named:
             fix = (f"the generator's mode of {suffix} drafts is {named[int(suffix)]!r} (the longest draft length's "
                    f"mode is {VERIFY!r}); PoolGenerator.tier_schedule names the modes by draft length")

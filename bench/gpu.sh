@@ -149,7 +149,7 @@ hf)
   stage "transformers GPU tests" 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers_*.py
   tests_summary "$LOG"
   stage "bench/hf_decode.py $*" ${HF_LIMIT:-400} python3 bench/hf_decode.py --out "$OUT/hf_decode" "$@"
-  grep -E "^hf_decode: (graphpool captured|graphed step|hf-static )" "$LOG"; table "tokens/s [(]all rows" "$LOG" ;;
+  grep -E "^hf_decode: (graphpool captured|graphed step|hf-static |\(f\) )" "$LOG"; table "tokens/s [(]all rows" "$LOG" ;;
 sglang-live|sglang-classic)
   DEADLINE_S=${DEADLINE_S:-550}
   if [ "$run" = sglang-live ]; then carry=.sgl17 script=bench/sglang_live_v2.py; else carry=.sgl script=bench/sglang_live.py; fi

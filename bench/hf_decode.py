@@ -11,6 +11,11 @@ batch sizes 1..32, the same prompts and the same number of new tokens per row (n
   (d) gp-plain    graphpool.integrations.transformers.PoolGenerator, plain decode, every step a CUDA graph
   (e) gp-lookup   the same pool, plain + prompt lookup (SpeculationPolicy + AcceptanceGate), batched
 
+and with ``--tiers`` (speculation tiers, docs/tiers.md), after the table's variants:
+
+  (f) gp-tiers    the same pool with a verify mode per tier's draft length: a TierSchedule picks each step's
+                  draft length by batch size (plain decode above the last bound); steps per tier reported
+
 graphpool's step is the model's own eager modules inside the graph, not compiled (no torch.compile). Also: the
 pool's capture time, the acceptance per verify step, a graphed verify step's GPU time against a graphed plain
 step's at batch 1, and whether (d)'s and (e)'s tokens equal (a)'s. The prompts repeat spans (a code block
@@ -18,6 +23,7 @@ edited, a document quoted by its summary), and random greedy models repeat their
 
     python bench/hf_decode.py                        # the H200 run (about 5 minutes; writes out/hf_decode.*)
     python bench/hf_decode.py --smoke                # a tiny model on CPU in seconds: the code path, no timing
+    python bench/hf_decode.py --tiers 4:2,2:8,1:16   # + (f): 4 drafts up to bs 2, 2 up to 8, 1 up to 16, plain above
 
 Writes ``<out>.json``, ``<out>.csv`` and ``<out>.png`` all or none (graphpool.bench.outputs) and prints a short table
 last, with the issue's goals as PASS/FAIL lines (not judged on a smoke run).
@@ -71,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per row (no EOS)")
     p.add_argument("--draft-tokens", type=int, default=4, help="prompt-lookup drafts per verify step, (c) and (e)")
+    p.add_argument("--tiers", default="",
+                   help="(f): speculation tiers as DRAFTS:OFF_ABOVE[/ON_AT_OR_BELOW], longest draft first, at most "
+                        "--draft-tokens drafts each, e.g. 4:2,2:8,1:16 (plain decode above the last bound)")
     p.add_argument("--prompt-len", default="96,192", help="prompt lengths, min,max")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up run (median)")
     p.add_argument("--compile-budget-s", type=float, default=240.0,
@@ -90,9 +99,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device, args.batch_sizes = args.device or "cpu", [b for b in args.batch_sizes if b <= 4] or [1]
         args.new_tokens, args.prompt_len, args.repeats = min(args.new_tokens, 16), (12, 40), 1
         args.draft_tokens = min(args.draft_tokens, 3)
+    args.tiers = parse_tiers(p, args.tiers, args.draft_tokens)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     return args
+
+
+def parse_tiers(p: argparse.ArgumentParser, text: str, draft_tokens: int) -> list[tuple[int, ...]]:
+    """``--tiers`` as ``(drafts, off_above[, on_at_or_below])`` per tier, checked as (f)'s generator will check
+    them (order, bounds, hysteresis): refused here, before any work."""
+    tiers = []
+    for item in filter(None, text.split(",")):
+        drafts, _, bounds = item.partition(":")
+        try:
+            tier = (int(drafts), *(int(b) for b in bounds.split("/")))
+        except ValueError:
+            tier = ()
+        if len(tier) not in (2, 3):
+            p.error(f"--tiers: {item!r} is not DRAFTS:OFF_ABOVE[/ON_AT_OR_BELOW], e.g. 4:2 or 2:8/6")
+        if not 1 <= tier[0] <= draft_tokens:
+            p.error(f"--tiers: {item!r} drafts {tier[0]} tokens; each tier drafts 1 to --draft-tokens ({draft_tokens}, "
+                    f"at most 3 with --smoke) tokens: raise --draft-tokens or shorten the tier")
+        tiers.append(tier)
+    if tiers:
+        from graphpool.integrations.transformers import draft_schedule, step_modes
+        modes = {m.name: m for m in step_modes(tier_lengths(draft_tokens, tiers))}
+        try:
+            draft_schedule(modes, tiers)
+        except ValueError as exc:
+            p.error(f"--tiers: {exc}")
+    return tiers
+
+
+def tier_lengths(draft_tokens: int, tiers: list[tuple[int, ...]]) -> list[int]:
+    """The generator's draft lengths with ``--tiers``: ``--draft-tokens`` (``verify``, (e)'s) and each tier's."""
+    return sorted({draft_tokens, *(t[0] for t in tiers)}, reverse=True)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -254,6 +295,27 @@ def pool_runs(generator: Any, batches: dict[int, Batch], args: argparse.Namespac
     return runs
 
 
+def tier_runs(generator: Any, batches: dict[int, Batch], args: argparse.Namespace,
+              tier_steps: dict[int, dict[str, int]]) -> list[Run]:
+    """(f): each call with a fresh schedule from ``--tiers`` (its hysteresis state starts at the longest tier);
+    fills ``tier_steps`` with each batch size's steps per mode (tier)."""
+    runs = []
+    for bs, batch in batches.items():
+        def call(batch=batch):
+            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], do_sample=False,
+                                      policy=generator.tier_schedule(args.tiers))
+
+        def extra(result, bs=bs):
+            tier_steps[bs] = result.steps_by_mode
+            return {"accept": result.accept_per_verify, "steps": len(result.steps), "misses": result.misses,
+                    "verify_steps": sum(n for m, n in result.steps_by_mode.items() if m != "decode"),
+                    "step_ms": 1e3 * result.decode_s / max(len(result.steps), 1)}
+        runs.append(measure("gp-tiers", bs, call, args, lambda result: result.tokens, extra))
+        print(f"hf_decode: gp-tiers   bs {bs:>3}: steps per tier " + ", ".join(
+            f"{mode} {count}" for mode, count in tier_steps.get(bs, {}).items()), flush=True)
+    return runs
+
+
 def step_times(generator: Any, args: argparse.Namespace, iters: int = 200) -> dict[str, float]:
     """GPU milliseconds of one graphed step at batch 1, per mode (CUDA events around ``iters`` back-to-back
     replays on staged inputs; host clocks on the CPU twin). Median of 3."""
@@ -316,22 +378,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def graphpool_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argparse.Namespace,
-                   max_len: int) -> tuple[list[Run], dict[str, float], float | None]:
-    """(d) and (e) from one PoolGenerator (captured once), and the graphed steps' GPU times; a failed capture is
-    recorded on every (d) and (e) point."""
+                   max_len: int, tier_steps: dict) -> tuple[list[Run], dict[str, float], float | None]:
+    """(d), (e) and with ``--tiers`` (f) from one PoolGenerator (captured once), and the graphed steps' GPU times;
+    a failed capture is recorded on every one of their points."""
     from graphpool.integrations.transformers import PoolGenerator
     try:
-        generator = PoolGenerator(model, max_len=max_len, batch_sizes=args.batch_sizes,
-                                  num_draft_tokens=args.draft_tokens, progress=True)
+        generator = PoolGenerator(model, max_len=max_len, batch_sizes=args.batch_sizes, progress=True,
+                                  num_draft_tokens=tier_lengths(args.draft_tokens, args.tiers) if args.tiers
+                                  else args.draft_tokens)
+        if args.tiers:
+            print(f"hf_decode: (f) tiers {generator.tier_schedule(args.tiers).describe()}", flush=True)
     except Exception as exc:
         log.exception("PoolGenerator failed")
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-        return [Run(v, bs, error=error) for v in ("gp-plain", "gp-lookup") for bs in batches], {}, None
+        variants = ("gp-plain", "gp-lookup") + (("gp-tiers",) if args.tiers else ())
+        return [Run(v, bs, error=error) for v in variants for bs in batches], {}, None
     print(f"hf_decode: graphpool captured {len(generator.pool.graph_keys)} graphs in {generator.capture_s:.2f} s "
           f"({generator.cache!r})", flush=True)
     steps = step_times(generator, args)
     print("hf_decode: graphed step at bs 1: " + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steps.items()), flush=True)
     runs = pool_runs(generator, batches, args, speculate=False) + pool_runs(generator, batches, args, speculate=True)
+    if args.tiers:
+        runs += tier_runs(generator, batches, args, tier_steps)
     generator.close()
     return runs, steps, generator.capture_s
 
@@ -352,7 +420,8 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
     batches = {bs: Batch.of(prompts[:bs], args.device) for bs in args.batch_sizes}
     max_len = max(map(len, prompts)) + args.new_tokens + args.draft_tokens
 
-    runs, steps, capture_s = graphpool_runs(model, batches, args, max_len)
+    tier_steps: dict[int, dict[str, int]] = {}
+    runs, steps, capture_s = graphpool_runs(model, batches, args, max_len, tier_steps)
     runs += hf_runs(model, batches, args, "hf-eager")
     runs += lookup_runs(model, batches, args)
     runs += static_runs(model, batches, args)  # last: its compiled graphs and memory stay with the model
@@ -365,6 +434,7 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
             "graphpool_step": "the model's eager modules captured in CUDA graphs (no torch.compile)",
             "hf_static": "generate(cache_implementation='static'): transformers' torch.compile(mode='reduce-overhead') "
                          "on CUDA, its default CompileConfig", "smoke": smoke,
+            "tiers": [list(t) for t in args.tiers], "tier_steps": tier_steps,
             "seconds": time.perf_counter() - started}
     goals = check_goals(runs, steps, judged=not smoke)
     try:
@@ -372,6 +442,12 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
             write_outputs(outputs, meta, runs, steps, goals)
     except OutputError as exc:
         raise SystemExit(f"hf_decode: {exc}") from None
+    if args.tiers:  # (f) is outside the table's fixed columns: its line comes just before the table
+        lookup = {r.bs: r.tokens_per_s for r in runs if r.variant == "gp-lookup"}
+        print("hf_decode: (f) gp-tiers tokens/s (x (e)), match vs (a): " + "; ".join(
+            f"bs {r.bs} {r.tokens_per_s:.0f} ({r.tokens_per_s / lookup[r.bs]:.2f}x), {r.match_vs_eager:.2f}"
+            if r.tokens_per_s and lookup.get(r.bs) and r.match_vs_eager is not None else f"bs {r.bs} {r.error or '-'}"
+            for r in runs if r.variant == "gp-tiers"), flush=True)
     print(table(runs, steps, goals, meta))
     return 0
 

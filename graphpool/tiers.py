@@ -111,7 +111,7 @@ class TierSchedule:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         _check_tiers(self.tiers)
         if modes is not None:
-            _check_modes(self.tiers, modes)
+            self.check_modes(modes)
         if any(t.min_accept is not None for t in self.tiers) and (window < 1 or pause_steps < 1):
             raise ValueError(f"need window >= 1 and pause_steps >= 1 for the tiers' min_accept, got window={window}, "
                              f"pause_steps={pause_steps}")
@@ -188,6 +188,15 @@ class TierSchedule:
     def lowered(self) -> bool:
         """Whether acceptance lowered the latest choice below the tier its batch size says."""
         return self.index > self._size
+
+    def check_modes(self, modes: Mapping[str, Mode] | Iterable[Mode]) -> None:
+        """Check the tiers against a pool's modes (what ``modes=`` checks at construction): every tier's mode
+        exists, the drafts shorten down the list, the last tier carries one token per sequence.
+
+        Raises:
+            ValueError: naming the tier, the rule and the fix.
+        """
+        _check_modes(self.tiers, modes)
 
     def gate(self, mode: str) -> AcceptanceGate | None:
         """The acceptance gate of tier ``mode`` (``None`` without ``min_accept``): its ``pauses``, ``last_mean``."""

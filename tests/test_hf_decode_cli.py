@@ -1,9 +1,12 @@
 """bench/hf_decode.py --smoke runs the whole benchmark path on CPU (tiny model, eager twin) in seconds and writes
-its JSON, CSV and plot; the goals are reported but not judged on a smoke run."""
+its JSON, CSV and plot; the goals are reported but not judged on a smoke run. With --tiers, (f) runs a tier
+schedule from the same pool and reports its steps per tier; bad tiers stop it before any work."""
 from __future__ import annotations
 
 import csv
 import json
+
+import pytest
 
 from bench import hf_decode
 from bench.hf_report import Run, check_goals
@@ -14,24 +17,37 @@ from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 @needs_transformers
 def test_smoke_run_writes_json_csv_png_and_the_table_last(tmp_path, capsys):
     out = tmp_path / "hf"
-    assert hf_decode.main(["--smoke", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    assert hf_decode.main(["--smoke", "--batch-sizes", "1,2", "--tiers", "3:1,1:2", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     points = {(r["variant"], r["bs"]): r for r in data["results"]}
-    assert set(points) == {(v, b) for v in ("hf-eager", "hf-static", "hf-lookup", "gp-plain", "gp-lookup")
-                           for b in (1, 2)}
+    assert set(points) == {(v, b) for v in ("hf-eager", "hf-static", "hf-lookup", "gp-plain", "gp-lookup",
+                                            "gp-tiers") for b in (1, 2)}
     for key in [("hf-eager", 1), ("hf-eager", 2), ("hf-static", 2), ("hf-lookup", 1), ("gp-plain", 2),
                 ("gp-lookup", 2)]:
         assert points[key]["tokens_per_s"] > 0 and points[key]["error"] is None, key
     assert "refused by transformers" in points[("hf-lookup", 2)]["error"]  # (c) cannot batch; (e) does
     assert points[("gp-plain", 2)]["match_vs_eager"] == 1.0 and points[("gp-lookup", 2)]["match_vs_eager"] == 1.0
     assert max(points[("gp-lookup", b)]["accept"] or 0 for b in (1, 2)) > 1 and points[("gp-plain", 1)]["misses"] == 0
-    assert set(data["step_gpu_ms"]) == {"decode", "verify"} and data["meta"]["smoke"] is True
+    assert set(data["step_gpu_ms"]) == {"decode", "verify", "verify_1"} and data["meta"]["smoke"] is True
+    # (f): 3 drafts at bs 1, 1 draft at bs 2 (3 again once one row ends first); tokens equal (a)'s
+    assert all(points[("gp-tiers", b)]["match_vs_eager"] == 1.0 for b in (1, 2))
+    assert set(data["meta"]["tier_steps"]["1"]) <= {"verify", "decode"} and "verify" in data["meta"]["tier_steps"]["1"]
+    assert "verify_1" in data["meta"]["tier_steps"]["2"]
     assert len(data["goals"]) == 5 and all(g["status"].startswith("not judged") for g in data["goals"])
     rows = list(csv.DictReader(out.with_suffix(".csv").open()))
-    assert len(rows) == 10 and out.with_suffix(".png").stat().st_size > 5000
+    assert len(rows) == 12 and out.with_suffix(".png").stat().st_size > 5000
     text = capsys.readouterr().out
     assert text.rstrip().splitlines()[-1].startswith("hf_decode: smoke run done")
-    assert "SMOKE RUN" in text and "d/b" in text and "goal not judged" in text
+    assert "SMOKE RUN" in text and "d/b" in text and "goal not judged" in text and "(f) gp-tiers tokens/s" in text
+
+
+@needs_transformers
+@pytest.mark.parametrize("tiers, message", [("2:x", "is not DRAFTS:OFF_ABOVE"), ("4:1", "raise --draft-tokens"),
+                                            ("1:1,2:2", "longest draft first")])
+def test_bad_tiers_stop_before_any_work(tiers: str, message: str, capsys):
+    with pytest.raises(SystemExit):
+        hf_decode.parse_args(["--smoke", "--tiers", tiers])
+    assert message in capsys.readouterr().err
 
 
 def _runs(d: float, b: float, accept: float) -> list[Run]:

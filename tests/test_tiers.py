@@ -261,6 +261,10 @@ def test_schedule_checks_its_tiers_against_the_pools_modes():
     with pytest.raises(ValueError, match="the last tier is plain decode"):
         TierSchedule([Tier("v16", 4), Tier("v4")], modes=list(pool.modes.values()))
     assert TierSchedule([Tier("v16", 4), Tier("decode")], modes=pool.modes).modes == ("v16", "decode")
+    unchecked = TierSchedule([Tier("v8", 4), Tier("v16", 8), Tier("decode")])  # built before the pool: check later
+    with pytest.raises(ValueError, match="list the tiers longest draft first"):
+        unchecked.check_modes(pool.modes)
+    SpeculationPolicy(4, spec_mode="v16").check_modes(pool.modes)
 
 
 def test_describe_names_each_tiers_bounds():

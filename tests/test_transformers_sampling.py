@@ -3,13 +3,16 @@
 * The step's logits processors and warpers equal transformers' classes on random logits (exact, or to float
   rounding where transformers computes the same sum in another order).
 * Statistical, and able to fail: on a tiny model with an 8-token vocabulary, the first three sampled tokens'
-  distributions from the pool without speculation, with prompt lookup (every step verifies drafts), and from
+  distributions from the pool without speculation, with prompt lookup (every step verifies drafts), at each
+  speculation tier (2 drafts, 1 draft, and a schedule whose tier changes every step), and from
   ``generate(do_sample=True)`` each lie within an L1 bound of the exact distribution, which is computed from
   transformers' own processed scores. The bound comes from the sample count: for ``n`` draws over ``k``
   categories, P(||p_hat - p||_1 >= eps) <= 2^k exp(-n eps^2 / 2) (Bretagnolle-Huber-Carol), so
   eps = sqrt(2 (k ln 2 + ln(1 / delta)) / n) fails a correct sampler with probability <= delta = 1e-6 per check
-  (9 checks: < 1e-5 in all). A deliberately wrong acceptance rule (accept with probability sqrt(p) instead of
-  p) fails the same check.
+  (15 checks: < 2e-5 in all). A deliberately wrong acceptance rule (accept with probability sqrt(p) instead of
+  p) fails the same check, with and without tiers; so does a routing that tells a shorter tier's graph the
+  longest tier's draft count (the token after the last real draft is then drawn as if that draft were followed
+  by another, never equal to it).
 """
 from __future__ import annotations
 
@@ -134,17 +137,21 @@ def distances(model: torch.nn.Module, prompt: list[int], tokens: list[list[int]]
 
 @pytest.fixture(scope="module")
 def sampled():
-    """The tiny model, a prompt in its own style, a generator of 64 rows, and generate(do_sample=True)'s samples.
+    """The tiny model, a prompt in its own style, a generator of 64 rows with two tiers (``verify``: 2 drafts,
+    ``verify_1``), and generate(do_sample=True)'s samples.
 
     The prompt: every token once, then the model's own sampled continuation, so that prompt lookup always finds a
-    draft and the drafts are tokens the model gives middling probabilities (accepted sometimes, rejected often:
-    both branches of the rule run)."""
+    draft and the drafts are tokens the model gives middling to high probabilities (both branches of the rule run:
+    a quarter to a half of the drafts are accepted). This seed's continuation ends in the model's favourite token,
+    which it repeats: the token after an accepted draft often equals the draft, so a verify step that treats a
+    row's last real draft as followed by another (and so never draws it again) moves the third token's law far
+    (L1 ~ 0.8) past the bound."""
     model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.3)
-    torch.manual_seed(1)
+    torch.manual_seed(15)
     start = torch.tensor([list(range(VOCAB))])
-    prompt = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=12, pad_token_id=0,
+    prompt = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=13, pad_token_id=0,
                             eos_token_id=None, do_sample=True, temperature=0.9)[0].tolist()
-    generator = tfm.PoolGenerator(model, max_len=40, batch_sizes=(64,), num_draft_tokens=2, max_ngram=2)
+    generator = tfm.PoolGenerator(model, max_len=40, batch_sizes=(64,), num_draft_tokens=(2, 1), max_ngram=2)
     ids = torch.tensor([prompt] * SAMPLES)
     hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, pad_token_id=0,
                         eos_token_id=None, **SETTINGS)[:, len(prompt):].tolist()
@@ -172,13 +179,64 @@ def test_sampled_distributions_with_and_without_speculation_equal_generate(sampl
         assert max(found) < bound, (name, found, bound)
 
 
+def alternating(generator) -> gp.TierSchedule:
+    """Both tiers in one run, the tier changing at every step: ``verify`` (2 drafts) never reaches its break-even
+    (2.99 tokens per sequence), so after each of its steps the next step drops to ``verify_1``, then it probes
+    again; a request's three tokens come from steps of both tiers."""
+    return generator.tier_schedule([(2, SAMPLES), (1, 2 * SAMPLES)], min_accept={2: 2.99}, window=1, pause_steps=1)
+
+
 @pytest.mark.slow
-def test_a_wrong_acceptance_rule_fails_the_same_check(sampled, monkeypatch: pytest.MonkeyPatch):
+def test_sampled_distributions_at_every_tier_equal_generate(sampled):
+    model, prompt, generator, _ = sampled
+    bound = l1_bound(SAMPLES, VOCAB)
+    for name, policy, seed in (("verify_1 alone", generator.tier_schedule([(1, SAMPLES)]), 4),
+                               ("tiers alternating", alternating(generator), 5)):
+        result = sample(generator, prompt, policy, seed)
+        by_mode = result.steps_by_mode
+        tiers = ["verify_1"] if name.startswith("verify_1") else ["verify", "verify_1"]
+        assert set(by_mode) == set(tiers), (name, by_mode)
+        if len(tiers) > 1:
+            assert result.switches >= len(result.steps) // 2, (name, result.switches)
+        for mode in tiers:
+            verify = result.steps_of(mode)
+            assert sum(s.accepted for s in verify) > SAMPLES / 10, (name, mode)  # drafts land
+            assert sum(s.drafted - s.accepted for s in verify) > SAMPLES / 10, (name, mode)  # and are rejected
+        found = distances(model, prompt, result.tokens)
+        assert max(found) < bound, (name, found, bound)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiers", [False, True], ids=["longest", "tiers"])
+def test_a_wrong_acceptance_rule_fails_the_same_check(sampled, monkeypatch: pytest.MonkeyPatch, tiers: bool):
     from graphpool.integrations.transformers import sampling
     model, prompt, generator, _ = sampled
     monkeypatch.setattr(sampling, "accept_draft", lambda p, u: u < p.sqrt())
-    found = distances(model, prompt, sample(generator, prompt, None, seed=3).tokens)
+    found = distances(model, prompt, sample(generator, prompt, alternating(generator) if tiers else None,
+                                            seed=5 if tiers else 3).tokens)
     assert max(found) > l1_bound(SAMPLES, VOCAB), found
+
+
+@pytest.mark.slow
+def test_a_shorter_tier_told_the_longest_draft_count_fails_the_same_check(sampled,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A deliberately broken routing: each drafted row's ``drafts`` column says the generator's longest draft
+    length (2) while a ``verify_1`` step carries one draft, so the token after an accepted draft is drawn with
+    that draft's mass removed, as if a second draft had been rejected there."""
+    from graphpool.integrations.transformers.sampling import DRAFTS
+    model, prompt, generator, _ = sampled
+    run = generator.pool.run
+
+    def longest_count(mode, **inputs):
+        told = inputs["sampling"].clone()
+        told[:, DRAFTS] = torch.where(told[:, DRAFTS] > 0, float(generator.num_draft_tokens), 0.0)
+        return run(mode, **{**inputs, "sampling": told})
+
+    monkeypatch.setattr(generator.pool, "run", longest_count)
+    result = sample(generator, prompt, generator.tier_schedule([(1, SAMPLES)]), seed=4)
+    assert set(result.steps_by_mode) == {"verify_1"}
+    found = distances(model, prompt, result.tokens)
+    assert found[2] > l1_bound(SAMPLES, VOCAB), found
 
 
 def test_new_settings_need_no_new_capture(sampled):

@@ -1,15 +1,16 @@
 """Batched generation with every decode step from a :class:`~graphpool.GraphPool`: a ``generate()`` replacement.
 
-:class:`PoolGenerator` builds a :class:`SlotCache` and a pool of two modes for a transformers model, once:
-``decode`` (one token per row) and ``verify`` (the row's last token plus ``num_draft_tokens`` drafts found by
-prompt lookup in its own history, :mod:`.lookup`). :meth:`PoolGenerator.generate` then runs requests to their
-ends: each loop admits waiting prompts into free slots (an eager, batched prefill through the same cache:
-prompts have many lengths, so the prefill is outside the pool), then runs one step of all running requests from
-the pool. Each step's mode is chosen in one place (:meth:`PoolGenerator._plan`): ``verify`` while a
-:class:`~graphpool.SpeculationPolicy` says the batch is small enough (no policy: always), an
-:class:`~graphpool.AcceptanceGate` says drafts pay, and lookup found a draft for at least one row; ``decode``
-otherwise. The draft length of a step is its mode's (``tokens_per_seq - 1``), read from the pool, never from a
-constant: a pool with more verify modes (one per draft length) needs only a policy that names them.
+:class:`PoolGenerator` builds a :class:`SlotCache` and a pool for a transformers model, once: ``decode`` (one
+token per row) and ``verify`` (the row's last token plus ``num_draft_tokens`` drafts found by prompt lookup in
+its own history, :mod:`.lookup`), or with speculation tiers (``num_draft_tokens=(8, 4, 2)``) one verify mode per
+draft length (``verify``, ``verify_4``, ``verify_2``: :mod:`.tiers`). :meth:`PoolGenerator.generate` then runs
+requests to their ends: each loop admits waiting prompts into free slots (an eager, batched prefill through the
+same cache: prompts have many lengths, so the prefill is outside the pool), then runs one step of all running
+requests from the pool. Each step's mode is chosen in one place (:meth:`PoolGenerator._plan`): the verify mode a
+:class:`~graphpool.TierSchedule` names for the batch size (a :class:`~graphpool.SpeculationPolicy`: ``verify``
+while the batch is small enough; no policy: ``verify`` always) while an :class:`~graphpool.AcceptanceGate` says
+drafts pay and lookup found a draft for at least one row; ``decode`` otherwise. The draft length of a step is its
+mode's (``tokens_per_seq - 1``), read from the pool, never from a constant.
 
 Tokens are chosen as ``generate()`` chooses them (:mod:`.sampling`), greedy or sampled per the resolved
 ``GenerationConfig`` (:mod:`.options`); sampled rows keep speculating, exactly. Requests end at their own step
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -37,8 +38,9 @@ from .lookup import NgramIndex
 from .options import Options, per_request, resolve
 from .result import GenerationResult, StepRecord
 from .sampling import NEUTRAL
-from .step import DECODE, STEP_OUTPUTS, VERIFY, SlotForward, describe, step_inputs, step_modes
+from .step import DECODE, STEP_OUTPUTS, VERIFY, SlotForward, describe, step_inputs, step_modes, verify_modes
 from .structure import inspect_model
+from .tiers import check_policy, draft_schedule
 
 log = logging.getLogger("graphpool.transformers")
 
@@ -59,8 +61,10 @@ class PoolGenerator:
             largest batch size.
         batch_sizes: batch sizes of the graphs (larger batches run eagerly: counted as misses).
         num_draft_tokens: drafts per row of a verify step (its graphs carry ``1 + num_draft_tokens`` tokens
-            per row); 0: plain decode only. With drafts and no ``policy``, :meth:`generate` speculates at
-            every step where lookup finds a draft.
+            per row); 0: plain decode only. Several (e.g. ``(8, 4, 2)``): speculation tiers, one verify mode per
+            draft length, ``verify`` for the longest and ``verify_<k>`` for each shorter one, all in the one pool
+            (:meth:`tier_schedule` builds a schedule choosing among them by batch size). With drafts and no
+            ``policy``, :meth:`generate` speculates at every step where lookup finds a draft, with the longest.
         verify_batch_sizes: batch sizes of the verify graphs (default: ``batch_sizes``).
         max_ngram: the longest n-gram prompt lookup matches (down to 1).
         grouped_attention: see :class:`SlotForward` (``sdpa`` models: keys read once per key/value head).
@@ -76,19 +80,23 @@ class PoolGenerator:
 
     Raises:
         UnsupportedModelError: the model or the transformers release cannot be served (why, and the fix).
+        ValueError: a bad ``num_draft_tokens`` (negative, or a list with a length below 1 or repeated) or
+            ``max_batch``.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, max_batch: int | None = None,
-                 batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int = 4,
+                 batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int | Sequence[int] = 4,
                  verify_batch_sizes: Sequence[int] | None = None, max_ngram: int = 3, grouped_attention: bool = True,
                  prefill_tokens: int = 8192, cache_dtype: torch.dtype | None = None, tokenizer: Any = None,
                  debug: bool = False, inputs: InputsFn = step_inputs, progress: bool = False):
-        if num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decode only), got {num_draft_tokens}")
+        #: The verify modes and their draft lengths, longest first (``{}``: plain decode only).
+        self.verify_modes = verify_modes(num_draft_tokens)
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (requests running at once), got {max_batch}")
         sizes = tuple(sorted(set(batch_sizes)))
-        self.model, self.max_len, self.num_draft_tokens, self.max_ngram = model, max_len, num_draft_tokens, max_ngram
+        #: The longest draft length (``verify``'s; 0: plain decode only).
+        self.num_draft_tokens = max(self.verify_modes.values(), default=0)
+        self.model, self.max_len, self.max_ngram = model, max_len, max_ngram
         self.prefill_tokens, self.tokenizer = prefill_tokens, tokenizer
         self.max_batch = sizes[-1] if max_batch is None else max_batch
         device = next(model.parameters()).device
@@ -113,9 +121,34 @@ class PoolGenerator:
         """Drafts per row in a step of ``mode`` (its tokens per row, less the row's last token)."""
         return self.pool.modes[mode].tokens_per_seq - 1
 
+    def tier_schedule(self, bounds: Sequence[tuple[int, float] | tuple[int, float, float]], *,
+                      min_accept: Mapping[int, float] | None = None, window: int = 4,
+                      pause_steps: int = 512) -> gp.TierSchedule:
+        """A :class:`~graphpool.TierSchedule` for :meth:`generate`: the draft length of each step by batch size.
+
+        Args:
+            bounds: one ``(draft length, off_above)`` or ``(draft length, off_above, on_at_or_below)`` per
+                speculative tier, longest draft first, each a length this generator was built with; plain decode
+                serves every batch larger than the last ``off_above``.
+            min_accept: break-even tokens per sequence per verify step by draft length (optional).
+            window, pause_steps: the acceptance measurement of the tiers with ``min_accept``.
+
+        Raises:
+            ValueError: a length the generator lacks, lengths not shortening, bounds not rising (the fix named).
+
+        Example::
+
+            gen = PoolGenerator(model, max_len=256, batch_sizes=[1, 2, 4, 8, 16], num_draft_tokens=(8, 4, 2))
+            # 8 drafts at <= 2 requests, 4 at <= 8 (back at <= 6), 2 at <= 12, plain decode above
+            tiers = gen.tier_schedule([(8, 2), (4, 8, 6), (2, 12)])
+            out = gen.generate(prompts, max_new_tokens=64, policy=tiers)
+            out.steps_by_mode  # e.g. {"decode": 20, "verify_2": 9, "verify_4": 14, "verify": 11}
+        """
+        return draft_schedule(self.pool.modes, bounds, min_accept=min_accept, window=window, pause_steps=pause_steps)
+
     # ------------------------------------------------------------------------------------ generation
     def generate(self, inputs: Any = None, generation_config: Any = None, *, attention_mask: Any = None,
-                 max_new_tokens: int | Sequence[int] | None = None, policy: gp.SpeculationPolicy | None = None,
+                 max_new_tokens: int | Sequence[int] | None = None, policy: gp.TierSchedule | None = None,
                  gate: gp.AcceptanceGate | None = None, streamer: Any = None, tokenizer: Any = None,
                  generator: torch.Generator | None = None, seed: int | None = None, output_logprobs: bool = False,
                  input_ids: Any = None, **kwargs: Any) -> GenerationResult:
@@ -132,8 +165,11 @@ class PoolGenerator:
                 ``[]``: none), ``pad_token_id``, ``stop_strings``); any other option set is an error naming it.
             attention_mask: for a tensor or lists of ``inputs``.
             max_new_tokens: one int for all requests, or one per prompt (overrides the config's).
-            policy: chooses speculation per step by batch size (``policy.choose(bs)``); ``None``: speculate at
-                every step (with ``num_draft_tokens > 0``); ``SpeculationPolicy(off_above=0)``: never.
+            policy: chooses each step's mode by batch size (``policy.choose(bs)``), and hears each verify step's
+                acceptance (``policy.record``): a :class:`~graphpool.TierSchedule` over this generator's modes
+                (:meth:`tier_schedule`), or a :class:`~graphpool.SpeculationPolicy` (``verify`` or plain).
+                ``None``: speculate at every step (with ``num_draft_tokens > 0``), with the longest drafts;
+                ``SpeculationPolicy(off_above=0)``: never. Its state carries over from call to call.
             gate: pauses speculation while verify steps commit too few tokens per sequence.
             streamer: transformers' streamer interface (``TextStreamer``, ``TextIteratorStreamer``): one for a
                 single prompt, or a list with one (or ``None``) per prompt.
@@ -145,8 +181,10 @@ class PoolGenerator:
         Raises:
             UnsupportedOptionError: an option not served (named), or an unknown keyword.
             ValueError: a prompt is empty, holds a token outside the vocabulary, or with its new tokens and
-                drafts does not fit ``max_len``; a policy without a verify mode (``num_draft_tokens=0``); stop
-                strings without a tokenizer. Nothing has run then: the generator stays usable.
+                drafts does not fit ``max_len``; a policy without a verify mode (``num_draft_tokens=0``) or naming a
+                mode this generator lacks; stop strings without a tokenizer. Nothing has run then: the generator
+                stays usable.
+            TypeError: a policy that is not a :class:`~graphpool.TierSchedule`.
         """
         if inputs is None:
             inputs = input_ids
@@ -173,9 +211,8 @@ class PoolGenerator:
         return StopStringCriteria(tokenizer, list(options.stop_strings))
 
     def _requests(self, prompts, options: Options, max_new_tokens, policy, streamer) -> list[Request]:
-        if policy is not None and self.num_draft_tokens == 0:
-            raise ValueError("a speculation policy needs the verify mode: build the PoolGenerator with "
-                             "num_draft_tokens > 0, or pass policy=None for plain decode")
+        if policy is not None:
+            check_policy(policy, self.pool.modes)
         counts = per_request(max_new_tokens, len(prompts), "max_new_tokens")
         streamers = streamers_for(streamer, len(prompts))
         drafts = max(self.draft_tokens(mode) for mode in self.pool.modes)  # room for the longest step
@@ -214,8 +251,12 @@ class PoolGenerator:
                 started = time.perf_counter()
                 record = run.step(running, *self._plan(running, policy, gate))
                 record = StepRecord(*record, seconds=time.perf_counter() - started)
-                if gate is not None and record.mode != DECODE:
-                    gate.record(1 + record.accepted / record.batch_size)
+                if record.mode != DECODE:
+                    committed_per_seq = 1 + record.accepted / record.batch_size
+                    if gate is not None:
+                        gate.record(committed_per_seq)
+                    if policy is not None:
+                        policy.record(record.mode, committed_per_seq)  # a tier's min_accept hears its own steps
                 result.steps.append(record)
                 result.decode_s += record.seconds
                 running = self._running(running)
@@ -242,10 +283,11 @@ class PoolGenerator:
         return running
 
     def _plan(self, running: list[Request], policy, gate) -> tuple[str, list[list[int]]]:
-        """The step's mode and, for a verify mode, each row's drafts (as many as the mode carries). The one place
-        a step's shape is chosen: a policy naming several verify modes (one per draft length) plugs in here."""
+        """The step's mode and, for a verify mode, each row's drafts (up to as many as the mode carries). The one
+        place a step's shape is chosen: the policy's tier for the batch size, plain decode where the gate pauses
+        speculation or lookup found no draft."""
         if policy is None:
-            mode = VERIFY if self.num_draft_tokens else DECODE
+            mode = VERIFY if self.verify_modes else DECODE
         else:
             mode = policy.choose(len(running))
         if mode == DECODE or (gate is not None and not gate.allow()):
@@ -290,7 +332,7 @@ def generate(model: torch.nn.Module, inputs: Any = None, generation_config: Any 
     counts = per_request(max_new_tokens, len(prompts), "max_new_tokens")  # checked with no prompts too
     if not prompts:
         return GenerationResult(tokens=[], finish=[], pad_token_id=options.pad_token_id)
-    drafts = generator_args.get("num_draft_tokens", 4)
+    drafts = max(verify_modes(generator_args.get("num_draft_tokens", 4)).values(), default=0)
     generator_args.setdefault("max_len", max(len(p) + (c or options.new_tokens(len(p)))
                                              for p, c in zip(prompts, counts)) + drafts)
     pool_generator = PoolGenerator(model, **generator_args)
@@ -310,18 +352,19 @@ def _has_prompts(inputs: Any) -> bool:
     return len(inputs) > 0
 
 
-def build_pool(model: torch.nn.Module, batch_sizes: Sequence[int], max_len: int, num_draft_tokens: int,
+def build_pool(model: torch.nn.Module, batch_sizes: Sequence[int], max_len: int, num_draft_tokens: int | Sequence[int],
                **generator_args) -> tuple[gp.GraphPool, Callable[..., dict[str, torch.Tensor]]]:
     """The captured pool for ``model`` without running generation, and a sampler of valid step inputs.
 
     For replay-latency benchmarks (``graphpool.bench``): ``pool.run(mode, **sampler(mode, bs))`` runs one
-    step of ``mode`` (``"decode"``, or ``"verify"`` with ``num_draft_tokens > 0``) at ``bs`` rows.
+    step of ``mode`` (``"decode"``, or a verify mode with ``num_draft_tokens > 0``) at ``bs`` rows.
 
     Args:
         model: as for :class:`PoolGenerator`.
         batch_sizes: graph batch sizes (the cache gets one slot per row of the largest).
         max_len: tokens per slot.
-        num_draft_tokens: drafts per row of a verify step (its graphs carry ``1 + num_draft_tokens`` tokens).
+        num_draft_tokens: drafts per row of a verify step (its graphs carry ``1 + num_draft_tokens`` tokens), or
+            several (one verify mode each, as for :class:`PoolGenerator`).
         generator_args: more :class:`PoolGenerator` arguments (``verify_batch_sizes``, ``debug``, ...).
 
     Returns:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .step import DECODE, VERIFY
+from .step import DECODE
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,8 @@ class StepRecord:
     """One decode step of :meth:`PoolGenerator.generate`.
 
     Attributes:
-        mode: ``"decode"`` or ``"verify"``.
+        mode: ``"decode"``, ``"verify"``, or with speculation tiers ``"verify_<k>"`` (``k`` drafts per row): the
+            step's tier.
         batch_size: the running requests it carried.
         graph_bs: the padded batch size of the graph that served it; ``None`` for an eager miss (a batch
             larger than every graph of the mode).
@@ -76,17 +77,35 @@ class GenerationResult:
         return sum(map(len, self.tokens))
 
     def steps_of(self, mode: str) -> list[StepRecord]:
-        """The steps of one mode (``"decode"`` or ``"verify"``), in order."""
+        """The steps of one mode (``"decode"``, ``"verify"``, a tier's ``"verify_<k>"``), in order."""
         return [s for s in self.steps if s.mode == mode]
+
+    @property
+    def steps_by_mode(self) -> dict[str, int]:
+        """Steps per mode (per tier), e.g. ``{"decode": 20, "verify_2": 9, "verify": 11}``; modes in the order
+        of their first step."""
+        counts: dict[str, int] = {}
+        for s in self.steps:
+            counts[s.mode] = counts.get(s.mode, 0) + 1
+        return counts
+
+    @property
+    def accept_by_mode(self) -> dict[str, float]:
+        """Mean tokens a verify step of each verify mode (tier) committed per sequence (as
+        :attr:`accept_per_verify`), for the modes that ran."""
+        return {mode: _accept(self.steps_of(mode)) for mode in self.steps_by_mode if mode != DECODE}
+
+    @property
+    def switches(self) -> int:
+        """Steps whose mode differs from the step before (tier changes, speculation on or off)."""
+        return sum(a.mode != b.mode for a, b in zip(self.steps, self.steps[1:]))
 
     @property
     def accept_per_verify(self) -> float | None:
         """Mean tokens a verify step committed per sequence (1 + its accepted drafts, before cutting at EOS or
-        max tokens); ``None`` without verify steps. Speculation pays when this beats the verify step's cost
-        relative to a plain step's."""
-        verify = self.steps_of(VERIFY)
-        rows = sum(s.batch_size for s in verify)
-        return (rows + sum(s.accepted for s in verify)) / rows if rows else None
+        max tokens), over every verify mode; ``None`` without verify steps. Speculation pays when this beats the
+        verify step's cost relative to a plain step's."""
+        return _accept([s for s in self.steps if s.mode != DECODE])
 
     @property
     def misses(self) -> int:
@@ -94,10 +113,18 @@ class GenerationResult:
         return sum(s.graph_bs is None for s in self.steps)
 
     def summary(self) -> str:
-        """One line: tokens, steps by mode, acceptance, misses, time."""
-        accept = self.accept_per_verify
-        return (f"{self.num_tokens} tokens in {len(self.steps)} steps ({len(self.steps_of(DECODE))} decode, "
-                f"{len(self.steps_of(VERIFY))} verify"
-                + (f", {accept:.2f} tokens per sequence per verify step" if accept is not None else "")
-                + f", {self.misses} eager misses); prefill {self.prefill_s * 1e3:.1f} ms, "
-                  f"decode {self.decode_s * 1e3:.1f} ms")
+        """One line: tokens, steps by mode, acceptance (per verify mode, with tiers), misses, time."""
+        accept = self.accept_by_mode
+        counts = ", ".join(f"{count} {mode}" for mode, count in self.steps_by_mode.items()) or "no steps"
+        if len(accept) == 1:
+            counts += f", {next(iter(accept.values())):.2f} tokens per sequence per verify step"
+        elif accept:
+            counts += ("; tokens per sequence per verify step: " + ", ".join(f"{m} {a:.2f}" for m, a in accept.items())
+                       + f"; {self.switches} mode switches")
+        return (f"{self.num_tokens} tokens in {len(self.steps)} steps ({counts}; {self.misses} eager misses); "
+                f"prefill {self.prefill_s * 1e3:.1f} ms, decode {self.decode_s * 1e3:.1f} ms")
+
+
+def _accept(verify: list[StepRecord]) -> float | None:
+    rows = sum(s.batch_size for s in verify)
+    return (rows + sum(s.accepted for s in verify)) / rows if rows else None

@@ -2,7 +2,8 @@
 
 Every mode's step is the same function: ``tokens_per_seq`` tokens for each of ``bs`` rows, at the positions
 the caller passes, in the slot each row owns. Plain decode is ``Mode("decode", 1)``; prompt-lookup
-verification is ``Mode("verify", 1 + num_draft_tokens)`` (each row's last committed token, then its drafts).
+verification is ``Mode("verify", 1 + num_draft_tokens)`` (each row's last committed token, then its drafts), and
+with speculation tiers (several draft lengths, :func:`verify_modes`) one ``verify_<k>`` mode per shorter length.
 The step returns, for every input token, the choice of :func:`~.sampling.choose` (``"out"``, one row per
 token): the next token as ``generate()`` would choose it (greedy or sampled, per row), and whether the draft
 after it is accepted.
@@ -10,7 +11,8 @@ after it is accepted.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import numbers
+from typing import Any, Sequence
 
 import torch
 
@@ -28,13 +30,48 @@ DECODE, VERIFY = "decode", "verify"
 STEP_OUTPUTS = {"out": "token"}
 
 
-def step_modes(num_draft_tokens: int, batch_sizes: tuple[int, ...] | None = None,
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def draft_lengths(num_draft_tokens: int | Sequence[int]) -> tuple[int, ...]:
+    """The verify steps' draft lengths, longest first: ``()`` for 0 (plain decode only), ``(k,)`` for an int ``k``,
+    and a list or tuple of lengths (speculation tiers, in any order) sorted.
+
+    Raises:
+        ValueError: a negative int; a sequence that is empty or holds a length below 1, a repeated one or a
+            non-int (the fix named).
+    """
+    if _is_int(num_draft_tokens):
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decode only), got {num_draft_tokens}")
+        return (int(num_draft_tokens),) if num_draft_tokens else ()
+    lengths = list(num_draft_tokens) if isinstance(num_draft_tokens, (list, tuple, range)) else []
+    if not lengths or not all(map(_is_int, lengths)):
+        raise ValueError(f"num_draft_tokens takes an int (drafts per verify row; 0: plain decode only) or a "
+                         f"non-empty list of them (one verify mode per draft length, e.g. (8, 4, 2)), got "
+                         f"{num_draft_tokens!r}")
+    if min(lengths) < 1 or len(set(lengths)) != len(lengths):
+        raise ValueError(f"num_draft_tokens={tuple(num_draft_tokens)!r}: each speculation tier's draft length must be "
+                         f">= 1 and appear once (plain decode is always built: leave 0 out)")
+    return tuple(sorted(map(int, lengths), reverse=True))
+
+
+def verify_modes(num_draft_tokens: int | Sequence[int]) -> dict[str, int]:
+    """The verify modes' names and draft lengths, longest first: ``verify`` for the longest, ``verify_<k>`` for
+    each shorter length ``k`` (the reference engine's names), e.g. ``(8, 4, 2)`` gives ``{"verify": 8,
+    "verify_4": 4, "verify_2": 2}``. ``{}`` for 0."""
+    lengths = draft_lengths(num_draft_tokens)
+    return {(VERIFY if i == 0 else f"{VERIFY}_{k}"): k for i, k in enumerate(lengths)}
+
+
+def step_modes(num_draft_tokens: int | Sequence[int], batch_sizes: tuple[int, ...] | None = None,
                verify_batch_sizes: tuple[int, ...] | None = None) -> list[gp.Mode]:
-    """The pool's modes: plain decode (1 token per row) and, with ``num_draft_tokens > 0``, verify
-    (``1 + num_draft_tokens`` per row), each at its own batch sizes (``None``: the pool's)."""
+    """The pool's modes: plain decode (1 token per row) and, for each draft length ``k`` of ``num_draft_tokens``
+    (an int, or several for speculation tiers; :func:`verify_modes` names them), a verify mode of ``1 + k``
+    tokens per row; decode at ``batch_sizes``, the verify modes at ``verify_batch_sizes`` (``None``: the pool's)."""
     modes = [gp.Mode(DECODE, 1, batch_sizes)]
-    if num_draft_tokens > 0:
-        modes.append(gp.Mode(VERIFY, 1 + num_draft_tokens, verify_batch_sizes))
+    modes += [gp.Mode(name, 1 + k, verify_batch_sizes) for name, k in verify_modes(num_draft_tokens).items()]
     return modes
 
 

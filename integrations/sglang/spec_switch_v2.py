@@ -20,7 +20,7 @@ plain step allocates nothing: its one slot per request is already in ``req_to_to
 
 Under the overlap scheduler (SGLang's default) nothing here waits for the GPU on a plain step: with attention
 backends that need no host lengths (FA3, Triton, trtllm_mha) the scheduler passes ``seq_lens_cpu = None``, and
-the plain step plans from the device lengths, keys requests by their host ``req_pool_idx``, and leaves the
+the plain step plans from the device lengths, keys requests by their host row (:func:`~.fields.req_pool_idx`), and leaves the
 lag's positions on the device (:class:`DraftLag`); the target's read-done event goes to the runner the
 scheduler's barrier reads. A structured-output request's grammar first takes the previous step's tokens (the
 scheduler's grammar barrier, 0.5.17+), as SGLang's own verify does before it builds a mask.
@@ -38,6 +38,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .draft_lag import DraftLag
+from .fields import req_pool_rows
 from .runner_api_support import hand_over_read_done, rejection_sampling
 from .spec_switch import SpeculationSwitch, _log_flip
 from .patch import plain_step_refusal
@@ -95,12 +96,9 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
 
 
 def batch_rows(batch: Any) -> List[int]:
-    """Each request's ``req_to_token`` row, from the host (``Req.req_pool_idx``): reading the batch's device
-    ``req_pool_indices`` would wait for the GPU every step."""
-    reqs = getattr(batch, "reqs", None)
-    if reqs is None:  # a stand-in batch without requests
-        return [int(r) for r in batch.req_pool_indices.tolist()]
-    return [int(req.req_pool_idx) for req in reqs]
+    """Each request's ``req_to_token`` row, from the host (:func:`~.fields.req_pool_idx`): reading the batch's
+    device ``req_pool_indices`` would wait for the GPU every step."""
+    return req_pool_rows(batch.reqs)
 
 
 # ----------------------------------------------------------------------------------- EAGLEWorkerV2 wiring
@@ -221,7 +219,7 @@ def catch_up_view(batch: Any, idx: List[int], starts: List[int], ends: List[int]
 
     table = batch.req_to_token_pool.req_to_token
     device = batch.seq_lens.device
-    rows = [int(batch.reqs[i].req_pool_idx) for i in idx]
+    rows = req_pool_rows(batch.reqs[i] for i in idx)
     lens = [e - s for s, e in zip(starts, ends)]
     view = copy.copy(batch)
     view.forward_mode = ForwardMode.EXTEND
@@ -330,7 +328,7 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
                 return eagle_v2_plain_decode(self, batch, lag, on_publish, argument("grammar_barrier", args, kwargs))
             eagle_v2_catch_up(self, batch, lag)
         elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
-            lag.forget([req.req_pool_idx for req in batch.reqs])
+            lag.forget(req_pool_rows(batch.reqs))
         return original(self, batch, *args, **kwargs)
 
     forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection

@@ -276,3 +276,17 @@ def test_the_switch_reads_each_request_row_where_this_release_keeps_it():
     assert v2.batch_rows(batch) == rows
     view = v2.catch_up_view(batch, [0, 2], [0, 0], [1, 1])
     assert view.req_pool_indices.tolist() == [3, 4]
+
+
+def test_the_adaptive_routing_alone_says_so_without_a_threshold(caplog):
+    """The launcher installs the switch with no threshold when only SGLang's --speculative-adaptive is on; its log line
+    said "plain decode above None requests, back on at <= 4611686018427387904" (seen on a live 0.5.23 server)."""
+    import logging
+
+    from graphpool.integrations.sglang import spec_switch_v2 as v2
+
+    with caplog.at_level(logging.INFO, logger=v2.__name__):
+        v2.install_speculation_switch(None)
+    v2.uninstall_speculation_switch()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "adaptive step 0 as plain steps" in said and "None" not in said and "4611686018427387904" not in said

@@ -336,8 +336,11 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
     _say_where_the_switch_does_not_act()
-    log.info("graphpool: spec v2 plain decode above %s requests, back on at <= %d; adaptive step 0 on DECODE graphs",
-             off_above, switch.policy.on_at_or_below)
+    if off_above is None:
+        log.info("graphpool: SGLang's adaptive step 0 as plain steps on DECODE graphs (no speculation switch)")
+    else:
+        log.info("graphpool: spec v2 plain decode above %d requests, back on at <= %d; adaptive step 0 on DECODE "
+                 "graphs", off_above, switch.policy.on_at_or_below)
     return switch
 
 

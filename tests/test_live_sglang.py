@@ -1,0 +1,268 @@
+"""The live tier: real SGLang servers on CPU, through graphpool's launcher, runner and speculation switch.
+
+Opt-in (``pytest --live``; CI runs it for SGLang 0.5.23 and 0.5.17, each release's folder on ``PYTHONPATH``, see
+``.ci/sglang-live.sh``). Each server is SGLang itself (HTTP server, tokenizer manager, scheduler, spec-v2 worker,
+ModelRunner) on a tiny random Llama made at test time (:mod:`tests.live.models`), with graphpool's own runner serving
+the target's DECODE and TARGET_VERIFY steps (what a CPU server needs for that lives in :mod:`tests.live.cpu_plugin`).
+
+The oracle is SGLang's own server without speculation (``python -m sglang.launch_server``, eager on CPU): every
+configuration's greedy outputs must equal its outputs token for token. Configurations (one server start each):
+
+* ``eagle``: EAGLE topk 1, the switch off above 4 and on at <= 2, under waves of 1 -> 16 -> 1 concurrent requests
+  that cross the threshold both ways several times (a); in one wave, while the switch flips, a JSON-schema request,
+  stop strings, stop token ids and streams the client closes mid-way (f);
+* ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.23: 0.5.17's own CPU attention reads one length per
+  sequence for ``bs * topk`` draft queries and fails at topk > 1);
+* ``eagle3``: EAGLE3 topk 1 with the switch (c);
+* ``standalone``: STANDALONE with the target as its own draft (the same dummy weights): every draft is accepted, so
+  every verify step, the first after each catch-up included, accepts ``steps`` drafts (d);
+* ``adaptive``: SGLang's ``--speculative-adaptive`` (0.5.23, topk 1) with a table whose step 0 starts at 4 requests:
+  those steps are plain steps on graphpool's DECODE graphs with no draft forward (e).
+
+Each also checks: every request not aborted completes, ``/health`` after every wave, graphpool's replays by mode
+with no eager fallback, the switch's OFF/ON flips and catch-ups, and SGLang's own idle KV-leak check (strict: a leak
+kills the scheduler, and is never in the log). A summary line per configuration goes to the test's output.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+from tests.live.models import CORPUS
+from tests.live.server import LiveServer, Output, Request, ServerLog, models
+
+pytestmark = [pytest.mark.live, pytest.mark.timeout(600)]
+
+try:
+    RELEASE = importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the live tier needs SGLang (CI: .ci/sglang-live.sh)", allow_module_level=True)
+#: 0.5.23 and later (topk > 1 on CPU, the adaptive runs).
+NEWER = tuple(int(p) for p in RELEASE.split(".")[:3] if p.isdigit()) >= (0, 5, 23)
+
+STEPS = 3
+#: The switch: off above 4 running requests, on again at <= 2.
+SWITCH = ("--graphpool-spec-off-above", "4", "--graphpool-spec-on-at-or-below", "2")
+SPEC = ("--speculative-num-steps", str(STEPS), "--speculative-draft-load-format", "dummy")
+CONFIGS: Dict[str, Sequence[str]] = {
+    "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{eagle}", *SPEC,
+              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+    "eagle_topk4": ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{eagle}", *SPEC,
+                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", *SWITCH),
+    "eagle3": ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "{eagle3}", *SPEC,
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+    "standalone": ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{target}", *SPEC,
+                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+}
+#: --speculative-adaptive's table: 3 draft steps below 4 running requests, step 0 from 4 on.
+ADAPTIVE_TABLE = {"1": {"candidate_steps": [STEPS], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+                  "4": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0}}
+#: Why the live tier sends no structured-output request to SGLang 0.5.17: its xgrammar backend allocates the token
+#: bitmask with ``pin_memory=True``, which a CPU-only torch refuses, so SGLang's own server (the oracle too) dies on
+#: the first JSON-schema request ("pin_memory=True requires a CUDA or other accelerator backend"); 0.5.23 asks
+#: ``is_pin_memory_available()`` first.
+NO_STRUCTURED_OUTPUT = "SGLang 0.5.17's xgrammar backend pins its bitmask, which CPU torch refuses"
+#: Concurrency of each wave: 1 -> 16 -> 1, crossing the switch's threshold up and down in each wave above 4.
+RAMP = (1, 4, 8, 16, 8, 2, 6, 1)
+
+
+def prompt(i: int) -> str:
+    words = 3 + i % 7
+    return " ".join(CORPUS[(i * 5 + k) % len(CORPUS)] for k in range(words))
+
+
+def wave(start: int, n: int) -> List[Request]:
+    """``n`` requests of different lengths (the batch shrinks one request at a time, crossing the threshold)."""
+    return [Request(prompt(start + j), max_new_tokens=6 + (7 * j + start) % 23) for j in range(n)]
+
+
+def same_length_wave() -> List[Request]:
+    """8 requests of one length: every decode step runs at 8 requests."""
+    return [Request(prompt(300 + j), max_new_tokens=12) for j in range(8)]
+
+
+def ramp_waves() -> List[List[Request]]:
+    waves, start = [], 0
+    for n in RAMP:
+        waves.append(wave(start, n))
+        start += n
+    return waves
+
+
+# ----------------------------------------------------------------------------------- the oracle
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp(f"live-{RELEASE}")
+
+
+@pytest.fixture(scope="module")
+def oracle(work: Path) -> Dict[str, object]:
+    """SGLang's own server without speculation: the outputs of every wave, and of the requests of (f), whose stop
+    strings and stop token ids are taken from its own unconstrained outputs (so they do stop mid-way)."""
+    from transformers import AutoTokenizer
+
+    with LiveServer.start([], work, name="oracle", graphpool=False) as server:
+        ramp = [server.client.generate_many(w) for w in ramp_waves()]
+        flat = server.client.generate_many(same_length_wave())
+        free = server.client.generate_many([Request(prompt(100 + j), max_new_tokens=24) for j in range(2)])
+        tokenizer = AutoTokenizer.from_pretrained(str(models(work / "models")["target"]))
+        special = special_requests(free, tokenizer)
+        answers = server.client.generate_many(special)
+        server.check_health()
+    return {"ramp": ramp, "flat": flat, "special": special, "special_out": answers}
+
+
+def special_requests(free: List[Output], tokenizer: object) -> List[Request]:
+    """(f)'s requests: a JSON schema, a stop string and stop token ids seen in the oracle's own free outputs."""
+    stop_id = free[0].output_ids[len(free[0].output_ids) // 2]
+    texts = [tokenizer.decode([t]) for t in free[1].output_ids[4:]]
+    stop_text = next((t for t in texts if t.strip()), None)
+    schema = json.dumps({"type": "object", "properties": {"fox": {"type": "integer"}}, "required": ["fox"]})
+    out = [Request(prompt(100), max_new_tokens=24, stop_token_ids=[stop_id])]
+    if NEWER:  # see NO_STRUCTURED_OUTPUT
+        out.append(Request(prompt(102), max_new_tokens=32, json_schema=schema, ignore_eos=False))
+    if stop_text is not None:
+        out.append(Request(prompt(101), max_new_tokens=24, stop=[stop_text]))
+    return out
+
+
+# ----------------------------------------------------------------------------------- checks
+def same_tokens(got: List[Output], want: List[Output], what: str) -> int:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.output_ids == w.output_ids, f"{what}, request {i}: {g.output_ids} != plain server's {w.output_ids}"
+    return len(got)
+
+
+def check_log(log: ServerLog, *, modes: Sequence[str]) -> Dict[str, int]:
+    assert not log.problems(), f"server log: {log.problems()[:3]}"
+    replays = log.replays()
+    for mode in modes:
+        assert replays.get(mode, 0) > 0, f"no {mode} replay by graphpool's runner: {replays}"
+    assert log.eager_fallbacks() == "none", f"eager fallbacks: {log.eager_fallbacks()}"
+    return replays
+
+
+def run_ramp(server: LiveServer, oracle: Dict[str, object], special_at: int = -1) -> Dict[str, int]:
+    """The ramp's waves (with (f)'s requests and two aborted streams in wave ``special_at``), each checked against
+    the oracle and followed by a health check. Returns counts for the summary."""
+    served = aborted = 0
+    for k, requests in enumerate(ramp_waves()):
+        if k == special_at:
+            special = oracle["special"]
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                streams = [pool.submit(server.client.stream_and_abort, Request(prompt(200 + j), max_new_tokens=64), 3)
+                           for j in range(2)]
+                outs = server.client.generate_many(list(requests) + list(special))
+                assert all(s.result(timeout=120) == 3 for s in streams), "a stream ended before the client closed it"
+            aborted += len(streams)
+            served += same_tokens(outs[:len(requests)], oracle["ramp"][k], f"wave {k}")
+            served += same_tokens(outs[len(requests):], oracle["special_out"], "structured output / stop requests")
+        else:
+            served += same_tokens(server.client.generate_many(requests), oracle["ramp"][k], f"wave {k}")
+        server.check_health()
+    return {"served": served, "identical": served, "aborted": aborted}
+
+
+def summary(name: str, server: LiveServer, counts: Dict[str, int], started: float, **more: object) -> None:
+    log = server.log()
+    print(f"\nlive {RELEASE} {name}: served {counts['served']}, identical {counts['identical']}, aborted "
+          f"{counts['aborted']}; replays {log.replays()}; eager fallbacks {log.eager_fallbacks()}; switch OFF "
+          f"{log.flips('OFF')} ON {log.flips('ON')}; catch-ups {len(log.catch_ups())}; forwards {server.forwards()}; "
+          + "".join(f"{k} {v}; " for k, v in more.items())
+          + f"start {server.started_s:.0f} s, wall {time.monotonic() - started:.0f} s")
+
+
+# ----------------------------------------------------------------------------------- the configurations
+def test_eagle_switch_under_a_ramp_with_structured_output_stops_and_aborts(work, oracle):
+    """(a) and (f)."""
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["eagle"], work, name="eagle") as server:
+        counts = run_ramp(server, oracle, special_at=3)
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.flips("ON") >= 3, f"OFF {log.flips('OFF')}, ON {log.flips('ON')}"
+        assert log.catch_ups(), "speculation resumed without a draft catch-up"
+        summary("eagle (a, f)", server, counts, started)
+
+
+def test_eagle_topk4_switch(work, oracle):
+    """(b)."""
+    if not NEWER:
+        pytest.skip(f"SGLang {RELEASE}'s own CPU attention (intel_amx forward_decode) reads one length per sequence for "
+                    f"bs * topk draft queries and fails at topk > 1; 0.5.23 fixed it")
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["eagle_topk4"], work, name="eagle_topk4") as server:
+        counts = run_ramp(server, oracle)
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.catch_ups()
+        summary("eagle topk 4 (b)", server, counts, started)
+
+
+def test_eagle3_switch(work, oracle):
+    """(c)."""
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["eagle3"], work, name="eagle3") as server:
+        counts = run_ramp(server, oracle)
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.catch_ups()
+        summary("eagle3 (c)", server, counts, started)
+
+
+def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracle):
+    """(d): the target as its own draft proposes exactly what the target decodes, so every verify step accepts all
+    ``STEPS`` drafts, the first one after each catch-up included: the catch-up rebuilt the draft's KV exactly."""
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["standalone"], work, name="standalone") as server:
+        counts, histograms = {"served": 0, "identical": 0, "aborted": 0}, []
+        for k, requests in enumerate(ramp_waves()):
+            outs = server.client.generate_many(requests)
+            counts["served"] += same_tokens(outs, oracle["ramp"][k], f"wave {k}")
+            histograms += [o.meta.get("spec_correct_drafts_histogram") or [] for o in outs]
+            server.check_health()
+        counts["identical"] = counts["served"]
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.catch_ups()
+        verify_steps = sum(h[STEPS] for h in histograms if len(h) > STEPS)
+        partial = [h for h in histograms if any(h[1:STEPS])]
+        assert verify_steps > 0 and not partial, f"verify steps that accepted fewer than {STEPS} drafts: {partial}"
+        summary("standalone (d)", server, counts, started,
+                **{"acceptance length after resume": STEPS + 1, "verify steps accepting all": verify_steps})
+
+
+def test_adaptive_step0_on_decode_graphs_without_draft_work(work, oracle):
+    """(e): at 4+ running requests SGLang's adaptive speculation chooses 0 draft steps; graphpool serves them as plain
+    steps on DECODE graphs, and the draft model runs no forward for them."""
+    if not NEWER:
+        pytest.skip("the live tier runs --speculative-adaptive on SGLang 0.5.23 (issue 35)")
+    started = time.monotonic()
+    table = work / "adaptive.json"
+    table.write_text(json.dumps(ADAPTIVE_TABLE))
+    args = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{eagle}", *SPEC,
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1),
+            "--speculative-adaptive", "--speculative-adaptive-config", str(table))
+    with LiveServer.start(args, work, name="adaptive") as server:
+        counts = {"served": 0, "identical": 0, "aborted": 0}
+        before = server.forwards()  # every decode step of this wave runs at 8 requests: step 0
+        counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "8 at step 0")
+        after = server.forwards()
+        server.check_health()
+        draft_decode_work = {k: after.get(k, 0) - before.get(k, 0) for k in after
+                             if k.startswith("draft") and not k.endswith(" EXTEND")}
+        assert all(v == 0 for v in draft_decode_work.values()), f"draft work at step 0: {draft_decode_work}"
+        assert after.get("target DECODE", 0) - before.get("target DECODE", 0) >= 11, (before, after)
+        for k, requests_k in enumerate(ramp_waves()):  # the ramp too: adaptive steps up and down by batch size
+            counts["served"] += same_tokens(server.client.generate_many(requests_k), oracle["ramp"][k], f"wave {k}")
+            server.check_health()
+        counts["identical"] = counts["served"]
+        check_log(server.log(), modes=("DECODE", "TARGET_VERIFY"))
+        summary("adaptive (e)", server, counts, started, **{"draft work at step 0": draft_decode_work})

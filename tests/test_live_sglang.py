@@ -266,3 +266,14 @@ def test_adaptive_step0_on_decode_graphs_without_draft_work(work, oracle):
         counts["identical"] = counts["served"]
         check_log(server.log(), modes=("DECODE", "TARGET_VERIFY"))
         summary("adaptive (e)", server, counts, started, **{"draft work at step 0": draft_decode_work})
+
+
+def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(work):
+    """Bad input: the launcher refuses an option it cannot honour on this SGLang before SGLang loads anything, and the
+    live tier reports the server's own message instead of waiting."""
+    args = (*CONFIGS["eagle"], "--graphpool-spec-min-accept", "1.5")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="spec-min-accept drives the classic API") as refused:
+        LiveServer.start(args, work, name="refused", timeout=120)
+    log = (work / "refused.log").read_text()
+    assert "Load weight begin" not in log and time.monotonic() - started < 120, str(refused.value)

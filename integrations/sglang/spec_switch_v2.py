@@ -38,9 +38,11 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .draft_lag import DraftLag
+from .eagle_v1_plain import PLAIN_STEP
 from .fields import req_pool_rows
 from .runner_api_support import hand_over_read_done, rejection_sampling
 from .spec_switch import SpeculationSwitch, _log_flip
+from .spec_v2_metrics import process_decode_result
 from .patch import plain_step_refusal
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,9 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
         accept_lens=torch.ones(bs, dtype=torch.int32, device=next_ids.device),
         accept_index=torch.arange(bs, device=next_ids.device)[:, None], new_seq_lens=new_seq_lens)
     fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}  # accept_index is 0.5.2x's only
-    return GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
+    out = GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
+    setattr(out, PLAIN_STEP, True)  # kept out of SGLang's speculation metrics (spec_v2_metrics)
+    return out
 
 
 def _stub_like(carried: Optional[torch.Tensor], bs: int) -> Optional[torch.Tensor]:
@@ -335,6 +339,7 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+    _keep_plain_steps_out_of_spec_metrics()
     _say_where_the_switch_does_not_act()
     if off_above is None:
         log.info("graphpool: SGLang's adaptive step 0 as plain steps on DECODE graphs (no speculation switch)")
@@ -383,9 +388,34 @@ def _warn_once(method: Any, message: str) -> Any:
     return warning_once
 
 
+_original_process_decode: Optional[Any] = None
+
+
+def _keep_plain_steps_out_of_spec_metrics() -> None:
+    """Wrap SGLang's ``SchedulerBatchResultProcessor.process_batch_result_decode`` (0.5.14 to 0.5.23): a plain step's
+    result leaves the speculation metrics (:mod:`.spec_v2_metrics`)."""
+    global _original_process_decode
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    if _original_process_decode is not None:
+        return
+    original = _original_process_decode = SchedulerBatchResultProcessor.process_batch_result_decode
+
+    @functools.wraps(original)
+    def process_batch_result_decode(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+        return process_decode_result(lambda *a: original(*a, *args, **kwargs), self, batch, result)
+
+    SchedulerBatchResultProcessor.process_batch_result_decode = process_batch_result_decode
+
+
 def uninstall_speculation_switch() -> None:
-    """Restore SGLang's ``forward_batch_generation`` methods the switch wrapped."""
-    global _original_forward
+    """Restore SGLang's ``forward_batch_generation`` methods and ``process_batch_result_decode`` the switch wrapped."""
+    global _original_forward, _original_process_decode
+    if _original_process_decode is not None:
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+        SchedulerBatchResultProcessor.process_batch_result_decode = _original_process_decode
+        _original_process_decode = None
     if _original_forward is not None:
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 

@@ -200,7 +200,8 @@ def models(root: Path) -> Dict[str, Path]:
 def server_env(counts_file: Path) -> Dict[str, str]:
     """The server's environment: the test tree's CPU stand-ins and plugin first on the path, SGLang's CPU engine."""
     path = [HERE / "stand_ins", HERE / "plugin", ROOT / "tests" / "stubs"]
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Absolute: the server runs in the log folder, and CI puts the release's folder on the path relatively.
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", GRAPHPOOL_NO_EXTENSION="1", GRAPHPOOL_REPLAY_LOG_EVERY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", GRAPHPOOL_LIVE_COUNTS=str(counts_file),

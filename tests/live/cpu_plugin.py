@@ -14,6 +14,11 @@ entry point, declared in ``plugin/`` beside it), changes exactly that, test-side
   leave out the draft tokens (its own extend metadata adds them, and 0.5.23 passes those): a verify step then
   attends to a prefix ``num_draft_tokens`` short (and a padded row to a negative one). The plugin passes the
   metadata's lengths, as 0.5.23 does.
+* in the scheduler processes, for the tests: SGLang's dummy weights (``--load-format dummy``) drawn from
+  uniform(-0.25, 0.25) instead of its uniform(-1e-3, 1e-3), same seed per parameter. With SGLang's range the tiny
+  model's logits differ by about a float32 ulp of their log-softmax, so greedy choices are near-ties that another
+  batch shape's rounding can flip; with these the top two tokens stand well apart. Every server of the tier (the
+  oracle included) loads the same weights.
 * in the scheduler processes, for the tests: every model forward is counted by model (target, draft) and forward
   mode into the JSON file ``GRAPHPOOL_LIVE_COUNTS`` names (what shows that a plain step does no draft work).
 * in the launcher process: SGLang's argument resolution is told the CPU has AMX tiles, so it keeps ``intel_amx``
@@ -36,6 +41,7 @@ def install() -> None:
         _keep_intel_amx()
     else:
         _serve_target_steps_with_graphpool()
+        _decisive_dummy_weights()
         _count_forwards(os.environ.get("GRAPHPOOL_LIVE_COUNTS"))
 
 
@@ -98,6 +104,19 @@ def _verify_with_draft_lengths(forward_extend):
             forward_batch.seq_lens = self.extend_metadata[0]
         return forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
     return with_draft_lengths
+
+
+#: The range the tests' dummy weights are drawn from (see the module's docstring).
+DUMMY_WEIGHT_RANGE = 0.25
+
+
+def _decisive_dummy_weights() -> None:
+    import functools
+
+    from sglang.srt.model_loader import loader
+
+    original = getattr(loader.initialize_dummy_weights, "func", loader.initialize_dummy_weights)
+    loader.initialize_dummy_weights = functools.partial(original, low=-DUMMY_WEIGHT_RANGE, high=DUMMY_WEIGHT_RANGE)
 
 
 def _count_forwards(path: "str | None") -> None:

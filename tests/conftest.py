@@ -57,3 +57,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(gpu)
         if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
             item.add_marker(interpreter)
+
+
+@pytest.fixture
+def live_server(tmp_path: "os.PathLike[str]"):
+    """Real SGLang servers on CPU for a test (the live tier, ``tests/live/server.py``; tests using it are marked
+    ``live``): ``server = live_server([... SGLang and graphpool arguments ...])`` starts one through graphpool's
+    launcher (``graphpool=False``: SGLang's own) on the tier's tiny model and returns it once ``/health`` answers;
+    ``server.client`` sends requests, ``server.log()`` reads graphpool's replays, flips and catch-ups. Every server
+    started is stopped at teardown."""
+    from pathlib import Path
+
+    from tests.live.server import LiveServer
+
+    started = []
+
+    def start(args, **kwargs):
+        kwargs.setdefault("name", f"server{len(started)}")
+        kwargs.setdefault("model_root", Path(tmp_path) / "models")
+        server = LiveServer.start(args, Path(tmp_path), **kwargs)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

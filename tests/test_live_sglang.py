@@ -30,6 +30,7 @@ import dataclasses
 import importlib.metadata
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -119,6 +120,9 @@ def oracle(work: Path) -> Dict[str, object]:
         special = special_requests(free, tokenizer)
         answers = server.client.generate_many(special)
         server.check_health()
+    for request, answer in zip(special, answers):  # the stops do stop, mid-way
+        if request.stop or request.stop_token_ids:
+            assert answer.finish_reason["type"] == "stop" and len(answer.output_ids) < request.max_new_tokens, answer
     return {"ramp": ramp, "flat": flat, "special": special, "special_out": answers}
 
 
@@ -159,8 +163,6 @@ def run_ramp(server: LiveServer, oracle: Dict[str, object], special_at: int = -1
     for k, requests in enumerate(ramp_waves()):
         if k == special_at:
             special = oracle["special"]
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(max_workers=4) as pool:
                 streams = [pool.submit(server.client.stream_and_abort, Request(prompt(200 + j), max_new_tokens=64), 3)
                            for j in range(2)]
@@ -194,7 +196,7 @@ def test_eagle_switch_under_a_ramp_with_structured_output_stops_and_aborts(work,
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
         assert log.flips("OFF") >= 3 and log.flips("ON") >= 3, f"OFF {log.flips('OFF')}, ON {log.flips('ON')}"
         assert log.catch_ups(), "speculation resumed without a draft catch-up"
-        summary("eagle (a, f)", server, counts, started)
+        summary("eagle (a, f)", server, counts, started, **({} if NEWER else {"no JSON schema": NO_STRUCTURED_OUTPUT}))
 
 
 def test_eagle_topk4_switch(work, oracle):
@@ -296,7 +298,7 @@ def accepted(output: Output) -> List[int]:
     return output.meta.get("spec_correct_drafts_histogram") or []
 
 
-def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(work):
+def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(live_server, tmp_path):
     """Bad input: the launcher refuses an option it cannot honour on this SGLang before SGLang loads anything, and the
     live tier reports the server's own message instead of waiting (one release is enough: the launcher's code)."""
     if not NEWER:
@@ -304,6 +306,6 @@ def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(
     args = (*CONFIGS["eagle"], "--graphpool-spec-min-accept", "1.5")
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="spec-min-accept drives the classic API") as refused:
-        LiveServer.start(args, work, name="refused", timeout=120)
-    log = (work / "refused.log").read_text()
+        live_server(args, name="refused", timeout=120)
+    log = (tmp_path / "refused.log").read_text()
     assert "Load weight begin" not in log and time.monotonic() - started < 120, str(refused.value)

@@ -15,15 +15,7 @@ started=$SECONDS
 LIVE=${*:-"0.5.23 0.5.17"}
 RANGE=.sgl-live
 
-if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, triton, pytest, transformers, fastapi" 2>/dev/null; then
-    source .venv/bin/activate
-else  # run on its own: the first environment's set-up, without its SGLang
-    python3 -m venv .venv-sglang-live
-    source .venv-sglang-live/bin/activate
-    python -m pip install -qq --upgrade pip
-    TORCH_CPU_INDEX= bash quickstart.sh --setup-only
-    python -m pip install -qq -e ".[dev,sglang-classes]"
-fi
+source .ci/sglang-env.sh sglang-live
 
 pins() {  # <release>: its lines of both requirement files
     awk -v r="$1" '!/^#/ && NF && ($1 == r || $1 == "all") {print $2}' .ci/sglang-current-requirements.txt \

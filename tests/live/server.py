@@ -43,9 +43,10 @@ START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
 #: Seconds one request may take.
 REQUEST_TIMEOUT_S = 120.0
 #: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
-#: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request.
+#: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
+#: first requests warm it up; a warm-up costs a few seconds per start).
 BASE_ARGS = ("--load-format", "dummy", "--device", "cpu", "--host", "127.0.0.1", "--dtype", "float32",
-             "--attention-backend", "intel_amx", "--max-total-tokens", "6144",
+             "--attention-backend", "intel_amx", "--skip-server-warmup", "--max-total-tokens", "6144",
              "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
 
 
@@ -170,9 +171,19 @@ class ServerLog:
         return found[-1] if found else ""
 
     def problems(self) -> List[str]:
-        """Lines that must never appear: errors, tracebacks, SGLang's idle leak check."""
-        return [line for line in self.text.splitlines()
-                if "Traceback" in line or "memory leak detected" in line or re.search(r"\bERROR\b", line)]
+        """Lines that must never appear: errors, tracebacks, SGLang's idle leak check. One traceback is SGLang's own
+        and harmless: with ``--skip-server-warmup`` its HTTP server posts ``/freeze_gc`` to itself before it listens."""
+        found, block = [], []
+        for line in self.text.splitlines() + ["[end]"]:
+            if block and line.startswith("["):  # a traceback (chained ones too) ends at the next log record
+                if not any("_freeze_gc_after_server_warmup" in b for b in block):
+                    found.append(block[0])
+                block = []
+            if block or "Traceback" in line:
+                block.append(line)
+            elif "memory leak detected" in line or re.search(r"\bERROR\b", line):
+                found.append(line)
+        return found
 
 
 def first_error_line(text: str) -> str:
@@ -277,22 +288,18 @@ class LiveServer:
             return {}
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the server's session (its own process group, by its process id): SIGTERM, then SIGKILL."""
-        if self.process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self.process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.process.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        try:  # children SGLang left in the group after the launcher exited
+        """Stop the server: SIGKILL to its session's process group (the group's id is the server's own process id:
+        the launcher, SGLang's scheduler and detokenizer), then reap the launcher. A test reads what it checks first;
+        SGLang keeps nothing worth a graceful shutdown here, which would cost seconds per server (a SIGTERM to the
+        group makes SGLang sleep 5 s for crash diagnostics)."""
+        try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"SGLang server {self.process.pid} did not stop in {timeout} s") from exc
 
     def __enter__(self) -> "LiveServer":
         return self

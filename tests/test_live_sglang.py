@@ -132,11 +132,12 @@ def special_requests(free: List[Output], tokenizer: object) -> List[Request]:
     texts = [tokenizer.decode([t]) for t in free[1].output_ids[4:]]
     stop_text = next((t for t in texts if t.strip()), None)
     schema = json.dumps({"type": "object", "properties": {"fox": {"type": "integer"}}, "required": ["fox"]})
-    out = [Request(prompt(100), max_new_tokens=24, stop_token_ids=[stop_id])]
+    # ignore_eos off for the stops: SGLang's ignore_eos disregards stop token ids too.
+    out = [Request(prompt(100), max_new_tokens=24, stop_token_ids=[stop_id], ignore_eos=False)]
     if NEWER:  # see NO_STRUCTURED_OUTPUT
         out.append(Request(prompt(102), max_new_tokens=32, json_schema=schema, ignore_eos=False))
     if stop_text is not None:
-        out.append(Request(prompt(101), max_new_tokens=24, stop=[stop_text]))
+        out.append(Request(prompt(101), max_new_tokens=24, stop=[stop_text], ignore_eos=False))
     return out
 
 

@@ -21,20 +21,13 @@ REQS=.ci/sglang-current-requirements.txt
 RANGE=.sgl-current
 TESTS="tests/test_sglang_runner_api.py tests/test_sglang_runner_api_contract.py tests/test_sglang_spec_v2_defaults.py
        tests/test_sglang_spec_switch_v2.py tests/test_sglang_draft_lag.py tests/test_sglang_runner.py
-       tests/test_sglang_spec_switch.py tests/test_sglang_launch.py tests/test_sglang_refusals.py"
+       tests/test_sglang_spec_switch.py tests/test_sglang_launch.py tests/test_sglang_refusals.py
+       tests/test_sglang_spec_v2_metrics.py"
 SWEEP=tests/test_sglang_spec_switch_v2.py::test_switch_sweep_1_to_64_and_back_cpu
 declare -A LEAVE_OUT=([0.5.14]="--deselect $SWEEP[1] --deselect $SWEEP[4]" [0.5.17]="--deselect $SWEEP[1]" [0.5.23]="")
 RELEASES=$(awk '!/^#/ && NF {print $1}' "$REQS" | uniq)
 
-if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, triton, pytest, transformers" 2>/dev/null; then
-    source .venv/bin/activate
-else  # run on its own: the first environment's set-up, without its SGLang
-    python3 -m venv .venv-sglang-current
-    source .venv-sglang-current/bin/activate
-    python -m pip install -qq --upgrade pip
-    TORCH_CPU_INDEX= bash quickstart.sh --setup-only
-    python -m pip install -qq -e ".[dev,sglang-classes]"
-fi
+source .ci/sglang-env.sh sglang-current
 
 for release in $RELEASES; do  # the downloads side by side
     target="$RANGE/$release"

@@ -25,6 +25,8 @@ import pytest  # noqa: E402
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tp", type=int, default=2,
                      help="tensor-parallel ranks of the GPU tests in tests/test_engine_tp.py (one GPU each)")
+    parser.addoption("--live", action="store_true", default=False,
+                     help="also run the live tier: real SGLang servers on CPU (CI: .ci/sglang-live.sh)")
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run the long versions of checks marked `slow` (CI runs them: pytest --runslow -m slow)")
 
@@ -43,7 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                           "(turned on above only where there is no CUDA GPU)")
     slow = pytest.mark.skip(reason="the long version of a check that also runs short by default: --runslow runs it")
     runslow = config.getoption("--runslow")
+    live = pytest.mark.skip(reason="starts real SGLang servers on CPU: --live runs it (CI: .ci/sglang-live.sh)")
     for item in items:
+        if "live" in item.keywords and not config.getoption("--live"):
+            item.add_marker(live)
         if item.path.name.startswith(("test_sglang_", "test_transformers_", "test_hf_")):
             item.add_marker(pytest.mark.optional)  # SGLang's and transformers' tests: they skip where it is absent
         if "slow" in item.keywords and not runslow:
@@ -52,3 +57,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(gpu)
         if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
             item.add_marker(interpreter)
+
+
+@pytest.fixture
+def live_server(tmp_path: "os.PathLike[str]"):
+    """Real SGLang servers on CPU for a test (the live tier, ``tests/live/server.py``; tests using it are marked
+    ``live``): ``server = live_server([... SGLang and graphpool arguments ...])`` starts one through graphpool's
+    launcher (``graphpool=False``: SGLang's own) on the tier's tiny model and returns it once ``/health`` answers;
+    ``server.client`` sends requests, ``server.log()`` reads graphpool's replays, flips and catch-ups. Every server
+    started is stopped at teardown."""
+    from pathlib import Path
+
+    from tests.live.server import LiveServer
+
+    started = []
+
+    def start(args, **kwargs):
+        kwargs.setdefault("name", f"server{len(started)}")
+        kwargs.setdefault("model_root", Path(tmp_path) / "models")
+        server = LiveServer.start(args, Path(tmp_path), **kwargs)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

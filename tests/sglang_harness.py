@@ -97,7 +97,7 @@ class ReqToTokenPool:
     a request, slots recorded per step; the engine's pool reserves slots per row up front instead)."""
 
     def __init__(self, size: int, max_ctx: int, device: torch.device):
-        self.size = size
+        self.size, self.device = size, device
         self.req_to_token = torch.zeros((size, max_ctx), dtype=torch.int32, device=device)
 
     def write(self, indices: Any, values: torch.Tensor) -> None:

@@ -185,31 +185,44 @@ def real_sampling(mr: Any, bs: int, temperatures: Optional[torch.Tensor] = None)
 
 def spec_v2_batch(mr: Any, idx: torch.Tensor, lens: torch.Tensor, bonus: torch.Tensor,
                   draft_hidden: Optional[torch.Tensor] = None, reqs: Optional[H.Requests] = None, **fields: Any) -> Any:
-    """SGLang's real ``ScheduleBatch`` of a spec-v2 decode step as the worker gets it: requests with their host
-    ``req_pool_idx`` and tokens, device and host lengths (host ones as without overlap), an ``EagleDraftInput``
-    carrying the bonus tokens (and the draft's hidden width), SGLang's ``SamplingBatchInfo``; ``fields`` set
-    more of its fields."""
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.sampling.sampling_params import SamplingParams
+    """SGLang's real ``ScheduleBatch`` of a spec-v2 decode step as the worker gets it, made by SGLang's own code:
+    ``Req`` objects (the tokens known so far as the prompt) bound to their ``req_to_token`` rows by SGLang's
+    ``ReqToTokenPool.alloc`` (which keeps the row where this release keeps it: ``Req.kv`` from 0.5.23), the batch
+    by ``ScheduleBatch.init_new``; then device and host lengths (host ones as without overlap), an
+    ``EagleDraftInput`` carrying the bonus tokens (and the draft's hidden width), SGLang's ``SamplingBatchInfo``;
+    ``fields`` set more of its fields."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
     rows = idx.tolist()
-    requests = []
-    for r in rows:  # SGLang's Req; the tokens known so far as its prompt
-        req = Req(f"r{r}", "", list(reqs.tokens[r]) if reqs else [0], SamplingParams(max_new_tokens=256))
-        req.req_pool_idx = r
-        requests.append(req)
+    requests = bound_requests(rows, [list(reqs.tokens[r]) if reqs else [0] for r in rows])
     dev, n = idx.device, len(rows)
     spec = EagleDraftInput(bonus_tokens=bonus, topk_p=torch.zeros((n, 1), device=dev),
                            topk_index=torch.zeros((n, 1), dtype=torch.int64, device=dev), hidden_states=draft_hidden)
-    batch = ScheduleBatch(reqs=requests)
+    batch = ScheduleBatch.init_new(requests, mr.req_to_token_pool, None, None, SimpleNamespace(vocab_size=mr.cfg.vocab),
+                                   enable_overlap=False, spec_algorithm=mr.spec_algorithm)
     values = dict(spec_info=spec, seq_lens=lens, seq_lens_cpu=lens.cpu().clone(), seq_lens_sum=int(lens.sum()),
-                  req_pool_indices=idx, sampling_info=real_sampling(mr, n), return_logprob=False, has_grammar=False,
-                  req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE,
-                  spec_algorithm=mr.spec_algorithm, device=str(dev))
+                  req_pool_indices=idx, sampling_info=real_sampling(mr, n), forward_mode=ForwardMode.DECODE,
+                  device=str(dev))
     for name, value in {**values, **fields}.items():
         setattr(batch, name, value)
     return batch
+
+
+def bound_requests(rows: List[int], tokens: List[List[int]], max_new_tokens: int = 256) -> List[Any]:
+    """SGLang's ``Req`` objects, each prompt the tokens given, bound to ``rows`` of ``req_to_token`` by SGLang's own
+    ``ReqToTokenPool.alloc`` (its free rows set to ``rows``: 0.5.14 to 0.5.17 take them from the front, 0.5.23 from
+    the back, so the list is ordered for this release)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    requests = [Req(f"r{r}", "", list(t), SamplingParams(max_new_tokens=max_new_tokens)) for r, t in zip(rows, tokens)]
+    pool = ReqToTokenPool(size=max(rows, default=0) + 1, max_context_len=1, device="cpu", enable_memory_saver=False)
+    pool.free_slots = list(rows)
+    if pool.alloc(requests) != rows:  # a release that hands rows out in another order: reorder the free list
+        raise AssertionError(f"SGLang's ReqToTokenPool.alloc did not bind rows {rows} in order")
+    return requests
 
 
 def spec_v2_worker(mr: Any, **fields: Any) -> SimpleNamespace:

@@ -169,10 +169,10 @@ def test_an_eagle3_plain_step_carries_the_drafts_hidden_width():
     assert lag.take(rows)[0].hidden.shape == (1, 3 * hidden)  # the target's own width, for the catch-up
     lag.record(rows, lens.tolist(), res.logits_output.hidden_states)  # the take above consumed it
     new = res.next_token_ids.tolist()
-    step = SimpleNamespace(
-        spec_info=res.next_draft_input, seq_lens=lens + 1, seq_lens_cpu=lens + 1, req_pool_indices=idx,
-        req_to_token_pool=mr.req_to_token_pool, forward_mode=ForwardMode.DECODE, sampling_info=batch.sampling_info,
-        reqs=[SimpleNamespace(origin_input_ids=reqs.tokens[r], output_ids=[t], req_pool_idx=r) for r, t in zip(rows, new)])
+    for r, t in zip(rows, new):
+        reqs.tokens[r].append(t)
+    step = _spec_v2_batch(mr, idx, lens + 1, res.next_draft_input.bonus_tokens, reqs=reqs,
+                          spec_info=res.next_draft_input, sampling_info=batch.sampling_info)
     worker.draft_worker = SimpleNamespace(_draft_extend_for_prefill=lambda view, target_hidden, tokens: SimpleNamespace(
         topk_p=torch.ones(len(view.extend_lens), 1), topk_index=torch.zeros(len(view.extend_lens), 1, dtype=torch.int64),
         hidden_states=torch.ones(len(view.extend_lens), hidden, dtype=mr.cfg.dtype)))

@@ -258,3 +258,35 @@ def test_installed_switch_routes_steps_on_the_real_eagle_worker_v2(monkeypatch):
     finally:
         v2.uninstall_speculation_switch()
     assert EAGLEWorkerV2.forward_batch_generation is original
+
+
+def test_the_switch_reads_each_request_row_where_this_release_keeps_it():
+    """SGLang 0.5.23 moved ``Req.req_pool_idx`` to ``Req.kv.req_pool_idx``; the switch read the old field and a live
+    0.5.23 server's scheduler died on the first plain step. Requests bound to their rows by SGLang's own
+    ``ReqToTokenPool.alloc`` must read back through graphpool's one reader of moved fields."""
+    from graphpool.integrations.sglang import fields
+    from graphpool.integrations.sglang import spec_switch_v2 as v2
+
+    rows = [3, 1, 4]
+    reqs = R.bound_requests(rows, [[5], [6], [7]])
+    assert fields.req_pool_rows(reqs) == rows
+    mr = R.RunnerApiModelRunner(H.HarnessConfig(batch_sizes=(1, 2, 4)), torch.device("cpu"), speculative=True)
+    lens = torch.tensor([2, 2, 2])
+    batch = R.spec_v2_batch(mr, torch.tensor(rows), lens, torch.tensor([5, 6, 7], dtype=torch.int32))
+    assert v2.batch_rows(batch) == rows
+    view = v2.catch_up_view(batch, [0, 2], [0, 0], [1, 1])
+    assert view.req_pool_indices.tolist() == [3, 4]
+
+
+def test_the_adaptive_routing_alone_says_so_without_a_threshold(caplog):
+    """The launcher installs the switch with no threshold when only SGLang's --speculative-adaptive is on; its log line
+    said "plain decode above None requests, back on at <= 4611686018427387904" (seen on a live 0.5.23 server)."""
+    import logging
+
+    from graphpool.integrations.sglang import spec_switch_v2 as v2
+
+    with caplog.at_level(logging.INFO, logger=v2.__name__):
+        v2.install_speculation_switch(None)
+    v2.uninstall_speculation_switch()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "adaptive step 0 as plain steps" in said and "None" not in said and "4611686018427387904" not in said

@@ -30,7 +30,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from .draft_lag import DraftLag
-from .eagle_v1_plain import bonus_tokens
+from .fields import bonus_tokens, req_pool_idx
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _draft_prefill_view(batch: Any, idx: List[int], starts: List[int], seq_lens_
     for req, s, e in zip(view.reqs, starts, ends):
         tokens += _sequence_tokens(req, s, e)
     view.input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-    view.out_cache_loc = torch.cat([table[req.req_pool_idx, s:e] for req, s, e in zip(view.reqs, starts, ends)]
+    view.out_cache_loc = torch.cat([table[req_pool_idx(req), s:e] for req, s, e in zip(view.reqs, starts, ends)]
                                    ).to(torch.int64)
     # A draft extend reads none of these; cleared so nothing shared with the running batch is touched.
     view.sampling_info = view.multimodal_inputs = view.spec_info = None

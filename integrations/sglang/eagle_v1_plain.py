@@ -23,8 +23,8 @@ decode path does it for one token:
    :func:`~.eagle_v1_catch_up.eagle_v1_catch_up` catches the draft up in one draft extend.
 
 Where SGLang's classic releases (0.5.9 to 0.5.12.x) differ in names or in how verify and the scheduler
-split that bookkeeping, :func:`release` says which release this is (:class:`Release`); nothing else here
-depends on the version.
+split that bookkeeping, :func:`~.fields.release` says which release this is (:class:`~.fields.Release`);
+nothing else here depends on the version.
 
 The result is marked (:data:`PLAIN_STEP`) so that :func:`process_plain_step_result` keeps it out of
 SGLang's speculation metrics, which SGLang counts per decode batch in ``update_spec_metrics``.
@@ -32,77 +32,20 @@ SGLang's speculation metrics, which SGLang counts per decode batch in ``update_s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
-from typing import Any, Iterator, List, NamedTuple, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
 from .draft_lag import DraftLag
+from .fields import bonus_tokens, release
 
 log = logging.getLogger(__name__)
 
 #: Attribute set on the ``GenerationBatchResult`` of a plain step.
 PLAIN_STEP = "graphpool_plain_step"
-
-
-# ----------------------------------------------------------------------------------- release differences
-class Release(NamedTuple):
-    """What the plain step does differently per classic SGLang release (0.5.9 to 0.5.12.x), read from that
-    release's own classes. Every version-dependent name or step of the switch is here."""
-
-    bonus: str
-    """``EagleDraftInput``'s field for each request's next input token: ``bonus_tokens`` (0.5.12.x),
-    ``verified_id`` (0.5.9 to 0.5.11)."""
-    accepted: str
-    """``GenerationBatchResult``'s accepted drafts of a verify step, summed over the batch:
-    ``num_correct_drafts`` (0.5.12.x), ``num_accepted_drafts`` (0.5.11), ``num_accepted_tokens`` (0.5.9,
-    0.5.10.x; drafts, the bonus token not counted, despite the name)."""
-    accepted_per_req: str
-    """The same per request: ``num_correct_drafts_per_req_cpu``, ``num_accepted_drafts_per_req_cpu``,
-    ``accept_length_per_req_cpu`` (0.5.9, 0.5.10.x: the scheduler splits ``next_token_ids`` by it)."""
-    verify_counts_reasoning: bool
-    """Spec-v1 verify counts reasoning tokens (0.5.11 on). In 0.5.10.x the scheduler's
-    ``process_batch_result_decode`` counts them for spec v1 as for plain decoding; 0.5.9 counts none."""
-    standalone_hidden: bool
-    """The worker feeds a STANDALONE draft the target's hidden states as it does EAGLE's (captured FULL):
-    0.5.9 to 0.5.11. From 0.5.12 it captures none for STANDALONE (``CaptureHiddenMode.NULL``)."""
-    report_decode_stats: str
-    """The scheduler's per-decode-step stats method: ``report_decode_stats`` (0.5.10 on),
-    ``log_decode_stats`` (0.5.9)."""
-
-
-@functools.lru_cache(maxsize=None)
-def release() -> Release:
-    """This SGLang's :class:`Release` (from its dataclasses' fields and the scheduler's methods)."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.managers.utils import GenerationBatchResult
-    from sglang.srt.speculative.eagle_info import EagleDraftInput
-
-    draft_fields = {f.name for f in dataclasses.fields(EagleDraftInput)}
-    result_fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}
-    for accepted, per_req in (("num_correct_drafts", "num_correct_drafts_per_req_cpu"),
-                              ("num_accepted_drafts", "num_accepted_drafts_per_req_cpu"),
-                              ("num_accepted_tokens", "accept_length_per_req_cpu")):
-        if accepted in result_fields and per_req in result_fields:
-            break
-    else:
-        raise RuntimeError(f"SGLang's GenerationBatchResult names no accepted-draft count graphpool knows: "
-                           f"{sorted(result_fields)}")
-    return Release(
-        bonus="bonus_tokens" if "bonus_tokens" in draft_fields else "verified_id",
-        standalone_hidden="bonus_tokens" not in draft_fields,  # both changed in 0.5.12
-        accepted=accepted, accepted_per_req=per_req,
-        verify_counts_reasoning=per_req != "accept_length_per_req_cpu",  # 0.5.11 on (the scheduler's job before)
-        report_decode_stats="report_decode_stats" if hasattr(Scheduler, "report_decode_stats") else "log_decode_stats")
-
-
-def bonus_tokens(draft_input: Any) -> torch.Tensor:
-    """Each request's next input token in an ``EagleDraftInput`` (see :attr:`Release.bonus`)."""
-    return getattr(draft_input, release().bonus)
 
 
 def eagle_v1_plain_decode(worker: Any, batch: Any, lag: DraftLag) -> Any:
@@ -171,7 +114,7 @@ def record_tokens(batch: Any, next_token_ids: List[int]) -> List[int]:
     """Append each request's new token and run its finish checks, in the order SGLang's spec-v1 verify
     does for an accepted token; returns the indices of the requests still unfinished.
 
-    Up to 0.5.10.x verify neither counts reasoning tokens (:attr:`Release.verify_counts_reasoning`) nor
+    Up to 0.5.10.x verify neither counts reasoning tokens (:attr:`~.fields.Release.verify_counts_reasoning`) nor
     checks the finish again after the grammar accepted the token; the scheduler's
     ``process_batch_result_decode`` runs ``check_finished`` once more in the same step. Checking here as
     0.5.11 does ends the request in the same state, and keeps a request whose grammar just terminated out

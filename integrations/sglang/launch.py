@@ -210,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "-h" in argv or "--help" in argv:
         print(HELP)  # graphpool's options first; SGLang's parser prints its own below and exits
     options, rest = split_args(argv)
+    untested = versions.untested_release_warning()
+    if untested:
+        log.warning("%s", untested)
 
     if load_plugins is not None:
         load_plugins()

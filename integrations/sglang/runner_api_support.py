@@ -1,18 +1,18 @@
 """Settings and refusals of the runner-API adapter (SGLang 0.5.14+), read the way each release keeps them.
 
-0.5.14 reads its settings from ``model_runner.server_args``; later releases (0.5.2x) from the published
-runtime context (``get_exec()``, ``get_spec()``), where SGLang's adaptive speculation also overrides the
-step count while it builds its runners. These readers try the runtime context first and fall back to
-``server_args``, so one adapter serves the whole 0.5.14 to 0.5.23 range.
+0.5.14 reads its settings from ``model_runner.server_args``; later releases from the published runtime context
+(``get_exec()``, ``get_spec()``): :func:`~.fields.setting` reads either, so one adapter serves the whole 0.5.14
+to 0.5.23 range.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+from .fields import published, read_done_names, setting
 from .support import unsupported_reasons
 
 #: Decode graph backends of ``--cuda-graph-config`` a pool serves: one whole-step graph per key.
@@ -31,32 +31,9 @@ _REFUSED_ENV = (("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "the attention-metadata gl
                 ("SGLANG_OPT_DSV41_TARGET_METADATA_EARLY", "early verify metadata (DSpark)"))
 
 
-def _bag(name: str) -> Any:
-    """A published runtime-context namespace (0.5.2x), or None (0.5.14, or not published yet)."""
-    try:
-        from sglang.srt import runtime_context
-    except ImportError:
-        return None
-    getter = getattr(runtime_context, f"get_{name}", None)
-    try:
-        return getter() if getter is not None else None
-    except ValueError:  # "config namespace ... not published"
-        return None
-
-
-def _setting(model_runner: Any, bag: str, path: Tuple[str, ...], default: Any = None) -> Any:
-    """``get_<bag>().<path>`` where published (0.5.2x), else ``server_args.<last part of path>`` (0.5.14)."""
-    value = _bag(bag)
-    for part in path:
-        value = getattr(value, part, None) if value is not None else None
-    if value is None:
-        value = getattr(model_runner.server_args, path[-1], None)
-    return default if value is None else value
-
-
 def decode_graph_backend(model_runner: Any) -> str:
     """``--cuda-graph-config``'s decode backend (``full`` when unset, as SGLang defaults)."""
-    config = _setting(model_runner, "exec", ("graph", "cuda_graph_config"))
+    config = setting(model_runner, "exec", ("graph", "cuda_graph_config"))
     backend = getattr(getattr(config, "decode", None), "backend", None)
     return str(backend or "full")
 
@@ -90,10 +67,10 @@ class SpecSettings:
 def spec_settings(model_runner: Any, num_steps: Optional[int], num_draft_tokens: Optional[int]) -> SpecSettings:
     """The constructor's overrides, else the published (possibly adaptive-overridden) values, else server_args."""
     if num_steps is None:
-        num_steps = _setting(model_runner, "spec", ("speculative_num_steps",), 0)
+        num_steps = setting(model_runner, "spec", ("speculative_num_steps",), 0)
     if num_draft_tokens is None:
-        num_draft_tokens = _setting(model_runner, "spec", ("speculative_num_draft_tokens",), 1)
-    topk = _setting(model_runner, "spec", ("speculative_eagle_topk",), 1)
+        num_draft_tokens = setting(model_runner, "spec", ("speculative_num_draft_tokens",), 1)
+    topk = setting(model_runner, "spec", ("speculative_eagle_topk",), 1)
     return SpecSettings(int(num_steps or 0), int(num_draft_tokens or 1), int(topk or 1))
 
 
@@ -101,7 +78,7 @@ def server_hidden_mode(model_runner: Any) -> CaptureHiddenMode:
     """Hidden states the server returns to users (none for a draft worker, as SGLang's runners)."""
     if getattr(model_runner, "is_draft_worker", False):
         return CaptureHiddenMode.NULL
-    features = getattr(_bag("exec"), "features", None)
+    features = getattr(published("exec"), "features", None)
     mode = getattr(features, "return_hidden_states_mode", None)
     if mode == "last":
         return CaptureHiddenMode.LAST
@@ -113,7 +90,7 @@ def server_hidden_mode(model_runner: Any) -> CaptureHiddenMode:
 
 def disable_padding(model_runner: Any) -> bool:
     """``--disable-cuda-graph-padding``: replay only exact captured batch sizes."""
-    return bool(_setting(model_runner, "exec", ("graph", "disable_cuda_graph_padding"), False))
+    return bool(setting(model_runner, "exec", ("graph", "disable_cuda_graph_padding"), False))
 
 
 def decode_batch_sizes(model_runner: Any, tokens_per_req: int) -> List[int]:
@@ -129,19 +106,13 @@ def decode_batch_sizes(model_runner: Any, tokens_per_req: int) -> List[int]:
 
 def rejection_sampling(model_runner: Any) -> bool:
     """``--speculative-use-rejection-sampling``: draft inputs then carry ``draft_probs`` between steps."""
-    return bool(_setting(model_runner, "spec", ("speculative_use_rejection_sampling",), False))
+    return bool(setting(model_runner, "spec", ("speculative_use_rejection_sampling",), False))
 
 
 # ----------------------------------------------------------------------------------- the read-done event
 # The overlap scheduler's write-after-read barrier: after launching a step it fences its next writes into the
 # buffers the step reads (req_to_token, the KV pool's free slots) behind an event the step's last such reader
 # published; without one it waits for the whole forward, and scheduling no longer overlaps the GPU.
-#: The model runner's attribute holding that event: 0.5.23's name, then 0.5.14 to 0.5.17's.
-_READ_DONE_ATTRS = ("shared_read_done_event", "war_fastpath_read_done_event")
-#: The worker's property naming the runner whose event the scheduler reads, in the same order.
-_LAST_READER_ATTRS = ("last_shared_read_runner", "war_fastpath_runner")
-
-
 def read_done_point(attn_backend: Any, forward_mode: Any) -> Optional[str]:
     """Where a graph step's reads of scheduler-shared buffers end, as SGLang's own runner publishes them:
     ``"pre"`` (planned in ``load_batch``, before the replay), ``"post"`` (after the replay), or ``None`` (SGLang
@@ -162,12 +133,11 @@ def publish_read_done(model_runner: Any) -> None:
     has the barrier at all)."""
     import torch
 
-    for name in _READ_DONE_ATTRS:
-        if hasattr(model_runner, name):
-            event = torch.get_device_module(model_runner.device).Event()
-            event.record()
-            setattr(model_runner, name, event)
-            return
+    names = read_done_names(model_runner)
+    if names is not None:
+        event = torch.get_device_module(model_runner.device).Event()
+        event.record()
+        setattr(model_runner, names[0], event)
 
 
 def hand_over_read_done(worker: Any, target: Any) -> None:
@@ -175,11 +145,11 @@ def hand_over_read_done(worker: Any, target: Any) -> None:
     of the worker's last reader of a speculative step (EAGLE: the draft runner, whose draft extend a plain step
     skips): move the target's event there. With none published (an eager step) the scheduler's wait stays
     coarse, which is always safe."""
-    for name, last in zip(_READ_DONE_ATTRS, _LAST_READER_ATTRS):
-        if not hasattr(target, name):
-            continue
-        reader = getattr(worker, last, None)
-        if reader is not None and reader is not target and hasattr(reader, name):
-            setattr(reader, name, getattr(target, name))
-            setattr(target, name, None)
+    names = read_done_names(target)
+    if names is None:
         return
+    event, last = names
+    reader = getattr(worker, last, None)
+    if reader is not None and reader is not target and hasattr(reader, event):
+        setattr(reader, event, getattr(target, event))
+        setattr(target, event, None)

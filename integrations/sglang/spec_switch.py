@@ -140,7 +140,7 @@ def install_speculation_switch(off_above: int, on_at_or_below: Optional[int] = N
     ``max_lag_steps``: the draft lag's window (:mod:`.draft_lag`): at most that many plain steps' hidden
     states kept per request, and caught up; a longer plain phase leaves the draft's older KV stale.
     ``min_accept``: see :class:`SpeculationSwitch` (read from each verify step's accepted drafts, named per
-    release: :attr:`~.eagle_v1_plain.Release.accepted`).
+    release: :attr:`~.fields.Release.accepted`).
     """
     problem = switch_support_problem()
     if problem:
@@ -203,7 +203,7 @@ def switch_support_problem() -> Optional[str]:
     """Why this SGLang's EAGLE v1 worker is not one the plain step follows (``None``: it is).
 
     The plain step does spec-v1 verify's bookkeeping itself, field by field, as each classic release
-    names and splits it (:class:`~.eagle_v1_plain.Release`: SGLang 0.5.9, 0.5.10.x, 0.5.11 and 0.5.12.x,
+    names and splits it (:class:`~.fields.Release`: SGLang 0.5.9, 0.5.10.x, 0.5.11 and 0.5.12.x,
     each verified against its real classes). A release whose names it does not recognise is refused
     rather than guessed at.
     """
@@ -214,7 +214,7 @@ def switch_support_problem() -> Optional[str]:
                 f"{versions.sglang_version()} does not have (it has eagle_worker_v2 only). Its runner still serves "
                 f"this SGLang: drop --graphpool-spec-off-above, or use SGLang 0.5.12.post1 (EAGLE v1) or 0.5.14+ "
                 f"(the spec-v2 switch)")
-    from .eagle_v1_plain import release
+    from .fields import release
 
     try:
         release()
@@ -228,8 +228,8 @@ def switch_support_problem() -> Optional[str]:
 
 def _correct_drafts(result: Any) -> Optional[int]:
     """Draft tokens the verify step accepted, summed over the batch (the field's name per release:
-    :attr:`~.eagle_v1_plain.Release.accepted`)."""
-    from .eagle_v1_plain import release
+    :attr:`~.fields.Release.accepted`)."""
+    from .fields import release
 
     value = getattr(result, release().accepted, None)
     return None if value is None else int(value)

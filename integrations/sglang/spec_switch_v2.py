@@ -20,7 +20,7 @@ plain step allocates nothing: its one slot per request is already in ``req_to_to
 
 Under the overlap scheduler (SGLang's default) nothing here waits for the GPU on a plain step: with attention
 backends that need no host lengths (FA3, Triton, trtllm_mha) the scheduler passes ``seq_lens_cpu = None``, and
-the plain step plans from the device lengths, keys requests by their host ``req_pool_idx``, and leaves the
+the plain step plans from the device lengths, keys requests by their host row (:func:`~.fields.req_pool_idx`), and leaves the
 lag's positions on the device (:class:`DraftLag`); the target's read-done event goes to the runner the
 scheduler's barrier reads. A structured-output request's grammar first takes the previous step's tokens (the
 scheduler's grammar barrier, 0.5.17+), as SGLang's own verify does before it builds a mask.
@@ -38,8 +38,11 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .draft_lag import DraftLag
+from .eagle_v1_plain import PLAIN_STEP
+from .fields import req_pool_rows
 from .runner_api_support import hand_over_read_done, rejection_sampling
 from .spec_switch import SpeculationSwitch, _log_flip
+from .spec_v2_metrics import process_decode_result
 from .patch import plain_step_refusal
 
 log = logging.getLogger(__name__)
@@ -95,12 +98,9 @@ def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq
 
 
 def batch_rows(batch: Any) -> List[int]:
-    """Each request's ``req_to_token`` row, from the host (``Req.req_pool_idx``): reading the batch's device
-    ``req_pool_indices`` would wait for the GPU every step."""
-    reqs = getattr(batch, "reqs", None)
-    if reqs is None:  # a stand-in batch without requests
-        return [int(r) for r in batch.req_pool_indices.tolist()]
-    return [int(req.req_pool_idx) for req in reqs]
+    """Each request's ``req_to_token`` row, from the host (:func:`~.fields.req_pool_idx`): reading the batch's
+    device ``req_pool_indices`` would wait for the GPU every step."""
+    return req_pool_rows(batch.reqs)
 
 
 # ----------------------------------------------------------------------------------- EAGLEWorkerV2 wiring
@@ -155,7 +155,9 @@ def eagle_v2_plain_decode(worker: Any, batch: Any, lag: DraftLag, on_publish: An
         accept_lens=torch.ones(bs, dtype=torch.int32, device=next_ids.device),
         accept_index=torch.arange(bs, device=next_ids.device)[:, None], new_seq_lens=new_seq_lens)
     fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}  # accept_index is 0.5.2x's only
-    return GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
+    out = GenerationBatchResult(**{k: v for k, v in result.items() if k in fields})
+    setattr(out, PLAIN_STEP, True)  # kept out of SGLang's speculation metrics (spec_v2_metrics)
+    return out
 
 
 def _stub_like(carried: Optional[torch.Tensor], bs: int) -> Optional[torch.Tensor]:
@@ -221,7 +223,7 @@ def catch_up_view(batch: Any, idx: List[int], starts: List[int], ends: List[int]
 
     table = batch.req_to_token_pool.req_to_token
     device = batch.seq_lens.device
-    rows = [int(batch.reqs[i].req_pool_idx) for i in idx]
+    rows = req_pool_rows(batch.reqs[i] for i in idx)
     lens = [e - s for s, e in zip(starts, ends)]
     view = copy.copy(batch)
     view.forward_mode = ForwardMode.EXTEND
@@ -330,16 +332,20 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
                 return eagle_v2_plain_decode(self, batch, lag, on_publish, argument("grammar_barrier", args, kwargs))
             eagle_v2_catch_up(self, batch, lag)
         elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
-            lag.forget([req.req_pool_idx for req in batch.reqs])
+            lag.forget(req_pool_rows(batch.reqs))
         return original(self, batch, *args, **kwargs)
 
     forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+    _keep_plain_steps_out_of_spec_metrics()
     _say_where_the_switch_does_not_act()
-    log.info("graphpool: spec v2 plain decode above %s requests, back on at <= %d; adaptive step 0 on DECODE graphs",
-             off_above, switch.policy.on_at_or_below)
+    if off_above is None:
+        log.info("graphpool: SGLang's adaptive step 0 as plain steps on DECODE graphs (no speculation switch)")
+    else:
+        log.info("graphpool: spec v2 plain decode above %d requests, back on at <= %d; adaptive step 0 on DECODE "
+                 "graphs", off_above, switch.policy.on_at_or_below)
     return switch
 
 
@@ -382,9 +388,34 @@ def _warn_once(method: Any, message: str) -> Any:
     return warning_once
 
 
+_original_process_decode: Optional[Any] = None
+
+
+def _keep_plain_steps_out_of_spec_metrics() -> None:
+    """Wrap SGLang's ``SchedulerBatchResultProcessor.process_batch_result_decode`` (0.5.14 to 0.5.23): a plain step's
+    result leaves the speculation metrics (:mod:`.spec_v2_metrics`)."""
+    global _original_process_decode
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    if _original_process_decode is not None:
+        return
+    original = _original_process_decode = SchedulerBatchResultProcessor.process_batch_result_decode
+
+    @functools.wraps(original)
+    def process_batch_result_decode(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+        return process_decode_result(lambda *a: original(*a, *args, **kwargs), self, batch, result)
+
+    SchedulerBatchResultProcessor.process_batch_result_decode = process_batch_result_decode
+
+
 def uninstall_speculation_switch() -> None:
-    """Restore SGLang's ``forward_batch_generation`` methods the switch wrapped."""
-    global _original_forward
+    """Restore SGLang's ``forward_batch_generation`` methods and ``process_batch_result_decode`` the switch wrapped."""
+    global _original_forward, _original_process_decode
+    if _original_process_decode is not None:
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+        SchedulerBatchResultProcessor.process_batch_result_decode = _original_process_decode
+        _original_process_decode = None
     if _original_forward is not None:
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 

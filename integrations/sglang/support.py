@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, List, Tuple
 
+from .fields import model_flag
+
 # (server_args attribute, what it is): any of these switched on needs inputs the runner does not stage.
 _UNSUPPORTED_FLAGS = (
     ("enable_two_batch_overlap", "two-batch overlap"),
@@ -106,10 +108,9 @@ def unsupported_reasons(model_runner: Any) -> List[str]:
     config = model_runner.model_config
     if getattr(config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder model")
-    # ModelRunner kept these itself up to 0.5.14; from 0.5.17 they live on model_config only.
     for attr, what in (("is_hybrid_swa", "hybrid sliding-window KV cache"), ("model_is_mrope", "mrope positions"),
                        ("use_ngram_embedding", "ngram embedding"), ("is_draft_worker", "draft worker")):
-        if getattr(model_runner, attr, None) or getattr(config, attr, None):
+        if model_flag(model_runner, attr):
             reasons.append(what)
     if getattr(model_runner, "hisparse_coordinator", None) is not None:
         reasons.append("hierarchical sparse attention")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+from typing import Optional
 
 CLASSIC = "classic"
 RUNNER = "runner"
@@ -34,6 +35,21 @@ _EAGLE_V1 = "sglang.srt.speculative.eagle_worker"
 SUPPORTED = {CLASSIC: "SGLang 0.5.9 to 0.5.13.post1 (verified: 0.5.12.post1 live; 0.5.9 to 0.5.12.post1 in CI, "
                       "CPU; 0.5.13.post1 once, CPU, runner only: no EAGLE v1 switch)",
              RUNNER: "SGLang 0.5.14 to 0.5.23 (verified: 0.5.23 in CI; 0.5.14 once, CPU)"}
+
+
+#: The SGLang releases graphpool is tested against: CI drives each one's real classes (.ci/sglang-classic-range.sh,
+#: .ci/sglang-current.sh), and serves 0.5.17 and 0.5.23 live on CPU (.ci/sglang-live.sh). Others of a supported
+#: generation are served the same way, untested (the launcher says so once).
+TESTED_RELEASES = ("0.5.9", "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.17", "0.5.23")
+
+
+def untested_release_warning() -> Optional[str]:
+    """One line naming the tested releases when the installed SGLang is not one of them (else ``None``)."""
+    version = sglang_version()
+    if version in TESTED_RELEASES or version == "not installed":
+        return None
+    return (f"graphpool: SGLang {version} is not a release graphpool is tested against ({', '.join(TESTED_RELEASES)}); "
+            f"its {runner_api()} graph-runner API is served as theirs is, untested")
 
 
 def sglang_version() -> str:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# CI, the live tier: real SGLang servers on CPU through graphpool's launcher and runner (tests/test_live_sglang.py), for
+# SGLang 0.5.23 and 0.5.17 (the releases of LIVE below).
+#
+# One environment for both: .ci/run's first one when it is there (torch 2.13.0 CPU, setup.py's sglang-classes extra),
+# else one made here the same way. Each release goes into a folder of its own (.sgl-live/<release>, pip --target,
+# without dependencies): the release and what it pins differently (.ci/sglang-current-requirements.txt), and what its
+# server needs on CPU (.ci/sglang-live-requirements.txt); that folder goes first on PYTHONPATH. The sgl_kernel CPU ops
+# and torchvision are stand-ins in the test tree. The releases' tests run side by side (each server's scheduler is one
+# busy process; the tests wait on it).
+# Usage: bash .ci/sglang-live.sh [RELEASE ...]   (from the repository root; exits non-zero if a release failed)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$SECONDS
+LIVE=${*:-"0.5.23 0.5.17"}
+RANGE=.sgl-live
+
+source .ci/sglang-env.sh sglang-live
+
+pins() {  # <release>: its lines of both requirement files
+    awk -v r="$1" '!/^#/ && NF && ($1 == r || $1 == "all") {print $2}' .ci/sglang-current-requirements.txt \
+        .ci/sglang-live-requirements.txt
+}
+for release in $LIVE; do  # the downloads side by side
+    target="$RANGE/$release"
+    if [ ! -d "$target/sglang" ]; then
+        # shellcheck disable=SC2046
+        python -m pip install -qq --no-deps --no-compile --no-warn-conflicts --target "$target" $(pins "$release") &
+    fi
+done
+wait
+echo "ci: live-tier releases installed in $((SECONDS - started)) s"
+
+rc=0
+pids=()
+for release in $LIVE; do
+    target="$RANGE/$release"
+    found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
+    [ "$found" = "$release" ] || { echo "live tier: $target holds SGLang $found, not $release"; rc=1; continue; }
+    ( PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s -p no:cacheprovider --live -m live \
+        --basetemp "$RANGE/tmp-$release" tests/test_live_sglang.py > "$target.log" 2>&1 ) &
+    pids+=("$!:$release")
+done
+for entry in "${pids[@]}"; do
+    pid=${entry%%:*} release=${entry#*:}
+    if wait "$pid"; then status=passed; else status=FAILED; rc=1; fi
+    echo "live tier: SGLang $release $status: $(tail -n 1 "$RANGE/$release.log")"
+    grep -E "^live |^SKIPPED" "$RANGE/$release.log" || true
+    if [ "$status" != passed ]; then
+        cat "$RANGE/$release.log"
+        for log in "$RANGE/tmp-$release"/*/*.log; do  # each server's own log, its end
+            [ -f "$log" ] && { echo "----- $log (last 40 lines)"; tail -n 40 "$log"; }
+        done
+    fi
+done
+echo "ci: live tier took $((SECONDS - started)) s"
+exit "$rc"

@@ -1,0 +1,308 @@
+"""Start a real SGLang server on CPU (graphpool's launcher, or SGLang's own), talk to it, read its log; stop it.
+
+The live tier's one way to run a server, for its tests and for tiers built on it::
+
+    with LiveServer.start(["--speculative-algorithm", "EAGLE", ...], log_dir=tmp_path) as server:
+        outputs = server.client.generate_many([Request("the quick", max_new_tokens=16)] * 8)
+        server.check_health()
+        log = server.log()          # ServerLog: graphpool's replays by mode, switch flips, catch-ups, errors
+        counts = server.forwards()  # forwards by (model, mode), counted in the scheduler process
+
+Every server is bound to 127.0.0.1, started in a session of its own and stopped by its own process id (the
+session's group: SGLang's scheduler and detokenizer processes go with it). Every wait is bounded. A server that
+does not come up fails with its own first error line.
+
+What the server needs on CPU comes from the test tree: ``stand_ins/`` (sgl_kernel's CPU ops in plain torch),
+``../stubs`` (torchvision) and ``plugin/`` (SGLang's plugin entry point for :mod:`tests.live.cpu_plugin`), put first
+on its ``PYTHONPATH``; SGLang itself is whatever this process imports (CI puts one release's folder on the path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from tests.live.models import make_models
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+#: Seconds a server may take to answer /health (one start takes ~25 s on an idle 2-core machine).
+START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
+#: Seconds one request may take.
+REQUEST_TIMEOUT_S = 120.0
+#: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
+#: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
+#: first requests warm it up; a warm-up costs a few seconds per start).
+BASE_ARGS = ("--load-format", "dummy", "--device", "cpu", "--host", "127.0.0.1", "--dtype", "float32",
+             "--attention-backend", "intel_amx", "--skip-server-warmup", "--max-total-tokens", "6144",
+             "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One ``/generate`` request: greedy unless told otherwise, ``ignore_eos`` so lengths are as asked."""
+
+    text: str
+    max_new_tokens: int = 16
+    stop: Optional[List[str]] = None
+    stop_token_ids: Optional[List[int]] = None
+    json_schema: Optional[str] = None
+    ignore_eos: bool = True
+
+    def body(self, stream: bool = False) -> Dict[str, Any]:
+        params: Dict[str, Any] = {"temperature": 0.0, "max_new_tokens": self.max_new_tokens,
+                                  "ignore_eos": self.ignore_eos}
+        for name in ("stop", "stop_token_ids", "json_schema"):
+            if getattr(self, name) is not None:
+                params[name] = getattr(self, name)
+        return {"text": self.text, "sampling_params": params, "stream": stream}
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What the server answered: the tokens, the finish reason, SGLang's per-request speculation counts."""
+
+    output_ids: List[int]
+    finish_reason: Any
+    meta: Dict[str, Any]
+
+
+class Client:
+    """HTTP client of one server (``http://127.0.0.1:<port>``), standard library only."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def health(self, timeout: float = 10.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def generate(self, request: Request) -> Output:
+        data = json.dumps(request.body()).encode()
+        post = urllib.request.Request(self.url + "/generate", data, {"content-type": "application/json"})
+        with urllib.request.urlopen(post, timeout=REQUEST_TIMEOUT_S) as answer:
+            out = json.loads(answer.read())
+        meta = out["meta_info"]
+        return Output(list(out["output_ids"]), meta.get("finish_reason"), meta)
+
+    def generate_many(self, requests: Sequence[Request], concurrency: Optional[int] = None) -> List[Output]:
+        """All ``requests`` at once (or ``concurrency`` at a time), in order."""
+        with ThreadPoolExecutor(max_workers=concurrency or max(1, len(requests))) as pool:
+            return list(pool.map(self.generate, requests))
+
+    def stream_and_abort(self, request: Request, chunks: int) -> int:
+        """Stream ``request``, close the connection after ``chunks`` chunks (SGLang aborts the request); returns
+        the chunks read."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        try:
+            conn.request("POST", "/generate", json.dumps(request.body(stream=True)), {"content-type": "application/json"})
+            answer, read = conn.getresponse(), 0
+            while read < chunks:
+                line = answer.readline()
+                if not line:
+                    break
+                if line.startswith(b"data:") and b"[DONE]" not in line:
+                    read += 1
+            return read
+        finally:
+            conn.close()
+
+
+@dataclasses.dataclass
+class ServerLog:
+    """What a live server's log says about graphpool."""
+
+    text: str
+
+    def replays(self) -> Dict[str, int]:
+        """graphpool's replays by mode, summed over its runners (SGLang's adaptive speculation builds one per step
+        count). Each runner logs its own cumulative counts at every replay on live servers
+        (``GRAPHPOOL_REPLAY_LOG_EVERY=1``), so each line is one runner's previous line plus one replay, or a new
+        runner's first."""
+        runners: List[Dict[str, int]] = []
+        for line in re.findall(r"graphpool replays by mode: ([^;]*);", self.text):
+            counts = {} if line == "none" else {m: int(n) for m, n in (item.split("=") for item in line.split())}
+            for known in runners:
+                grown = {m: counts.get(m, 0) - known.get(m, 0) for m in set(counts) | set(known)}
+                if not any(grown.values()):  # the same counts again (a switch flip's line repeats them)
+                    break
+                if sorted(grown.values())[-1:] == [1] and sum(grown.values()) == 1:
+                    known.update(counts)
+                    break
+            else:
+                runners.append(counts)
+        total: Dict[str, int] = {}
+        for counts in runners:
+            for mode, n in counts.items():
+                total[mode] = total.get(mode, 0) + n
+        return total
+
+    def eager_fallbacks(self) -> str:
+        """Eager fallbacks by reason, from any runner's line (``"none"`` when every line says none)."""
+        found = [f.strip() for f in re.findall(r"graphpool replays by mode: [^;]*; eager fallbacks: (.*)", self.text)]
+        return next((f for f in found if f != "none"), "none")
+
+    def flips(self, state: str) -> int:
+        """Switch flips to ``"ON"`` or ``"OFF"``."""
+        return len(re.findall(rf"graphpool switch: speculation {state} at", self.text))
+
+    def catch_ups(self) -> List[int]:
+        """Requests caught up by each draft catch-up, in order."""
+        return [int(n) for n in re.findall(r"graphpool draft catch-up: (\d+) requests", self.text)]
+
+    def captured(self) -> str:
+        found = re.findall(r"graphpool captured \d+ graphs for \[[^\]]*\]", self.text)
+        return found[-1] if found else ""
+
+    def problems(self) -> List[str]:
+        """Lines that must never appear: errors, tracebacks, SGLang's idle leak check. One traceback is SGLang's own
+        and harmless: with ``--skip-server-warmup`` its HTTP server posts ``/freeze_gc`` to itself before it listens."""
+        found, block = [], []
+        for line in self.text.splitlines() + ["[end]"]:
+            if block and line.startswith("["):  # a traceback (chained ones too) ends at the next log record
+                if not any("_freeze_gc_after_server_warmup" in b for b in block):
+                    found.append(block[0])
+                block = []
+            if block or "Traceback" in line:
+                block.append(line)
+            elif "memory leak detected" in line or re.search(r"\bERROR\b", line):
+                found.append(line)
+        return found
+
+
+def first_error_line(text: str) -> str:
+    """The first line of a server log that names an error (``XxxError: ...``, ``error: ...``), else its last line."""
+    for line in text.splitlines():
+        if re.search(r"^\s*[\w.]*(Error|Exception)\b.*:|\berror: |\bERROR\b", line) and "Ignore import error" not in line:
+            return line.strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(empty log)"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def models(root: Path) -> Dict[str, Path]:
+    """The tiny target, drafts and tokenizer under ``root`` (made once)."""
+    if not (root / "target" / "tokenizer.json").exists():
+        make_models(root)
+    return {name: root / name for name in ("target", "eagle", "eagle3")}
+
+
+def server_env(counts_file: Path) -> Dict[str, str]:
+    """The server's environment: the test tree's CPU stand-ins and plugin first on the path, SGLang's CPU engine."""
+    path = [HERE / "stand_ins", HERE / "plugin", ROOT / "tests" / "stubs"]
+    # Absolute: the server runs in the log folder, and CI puts the release's folder on the path relatively.
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", GRAPHPOOL_NO_EXTENSION="1", GRAPHPOOL_REPLAY_LOG_EVERY="1",
+               SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", GRAPHPOOL_LIVE_COUNTS=str(counts_file),
+               PYTHONPATH=os.pathsep.join([str(p) for p in path] + inherited + [str(ROOT)]))
+    return env
+
+
+class LiveServer:
+    """One running server (use :meth:`start`, as a context manager)."""
+
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, counts_file: Path):
+        self.process, self.port, self.log_path, self.counts_file = process, port, log_path, counts_file
+        self.client = Client(port)
+        self.started_s = 0.0
+
+    @classmethod
+    def start(cls, args: Sequence[str], log_dir: Path, *, name: str = "server", graphpool: bool = True,
+              model_root: Optional[Path] = None, timeout: float = START_TIMEOUT_S) -> "LiveServer":
+        """Start a server on the tiny target with :data:`BASE_ARGS` plus ``args``, through graphpool's launcher
+        (``graphpool=False``: SGLang's own ``launch_server``, the oracle), and wait for ``/health``.
+
+        Raises:
+            RuntimeError: the server exited, or did not answer within ``timeout`` s; the message holds its first
+                error line and the log's path.
+        """
+        paths = models(model_root or log_dir / "models")
+        port, log_path = free_port(), log_dir / f"{name}.log"
+        counts_file = log_dir / f"{name}.forwards.json"
+        entry = "graphpool.integrations.sglang.launch" if graphpool else "sglang.launch_server"
+        command = [sys.executable, "-m", entry, "--model-path", str(paths["target"]), "--port", str(port),
+                   *BASE_ARGS, *[str(a).format(**{k: str(v) for k, v in paths.items()}) for a in args]]
+        started = time.monotonic()
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=server_env(counts_file), cwd=str(log_dir), start_new_session=True)
+        server = cls(process, port, log_path, counts_file)
+        try:
+            server._wait_ready(started + timeout)
+        except BaseException:
+            server.stop()
+            raise
+        server.started_s = time.monotonic() - started
+        return server
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"SGLang server exited ({self.process.returncode}) before /health: "
+                                   f"{first_error_line(self.log_text())} (log: {self.log_path})")
+            if self.client.health(timeout=5.0):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang server not healthy in time: {first_error_line(self.log_text())} "
+                                   f"(log: {self.log_path})")
+            time.sleep(1.0)
+
+    def check_health(self) -> None:
+        """``/health`` answers and the scheduler is alive; else the server's first error line."""
+        if self.process.poll() is not None or not self.client.health(timeout=30.0):
+            raise AssertionError(f"server unhealthy: {first_error_line(self.log_text())} (log: {self.log_path})")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log(self) -> ServerLog:
+        return ServerLog(self.log_text())
+
+    def forwards(self) -> Dict[str, int]:
+        """Forwards by ``"<target|draft> <MODE>"`` so far, as the scheduler process counted them."""
+        try:
+            return json.loads(self.counts_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the server: SIGKILL to its session's process group (the group's id is the server's own process id:
+        the launcher, SGLang's scheduler and detokenizer), then reap the launcher. A test reads what it checks first;
+        SGLang keeps nothing worth a graceful shutdown here, which would cost seconds per server (a SIGTERM to the
+        group makes SGLang sleep 5 s for crash diagnostics)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"SGLang server {self.process.pid} did not stop in {timeout} s") from exc
+
+    def __enter__(self) -> "LiveServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,317 @@
+"""The live tier: real SGLang servers on CPU, through graphpool's launcher, runner and speculation switch.
+
+Opt-in (``pytest --live``; CI runs it for SGLang 0.5.23 and 0.5.17, each release's folder on ``PYTHONPATH``, see
+``.ci/sglang-live.sh``). Each server is SGLang itself (HTTP server, tokenizer manager, scheduler, spec-v2 worker,
+ModelRunner) on a tiny random Llama made at test time (:mod:`tests.live.models`), with graphpool's own runner serving
+the target's DECODE and TARGET_VERIFY steps (what a CPU server needs for that lives in :mod:`tests.live.cpu_plugin`).
+
+The oracle is SGLang's own server without speculation (``python -m sglang.launch_server``, eager on CPU): every
+configuration's greedy outputs must equal its outputs token for token. Configurations (one server start each):
+
+* ``eagle``: EAGLE topk 1, the switch off above 4 and on at <= 2, under waves of 1 -> 16 -> 1 concurrent requests
+  that cross the threshold both ways several times (a); in one wave, while the switch flips, a JSON-schema request,
+  stop strings, stop token ids and streams the client closes mid-way (f);
+* ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.23: 0.5.17's own CPU attention reads one length per
+  sequence for ``bs * topk`` draft queries and fails at topk > 1);
+* ``eagle3``: EAGLE3 topk 1 with the switch (c); on 0.5.23 with SGLang's ``--speculative-adaptive`` too, whose table
+  has step 0 from 3 running requests on: those steps are plain steps on graphpool's DECODE graphs with no draft
+  forward (e);
+* ``standalone``: STANDALONE with the target as its own draft (the same dummy weights): requests whose draft is right
+  at every position when they run alone, caught up after plain steps, accept ``steps`` drafts at every verify step
+  after the resume (d);
+
+Each also checks: every request not aborted completes, ``/health`` after every wave, graphpool's replays by mode
+with no eager fallback, the switch's OFF/ON flips and catch-ups, and SGLang's own idle KV-leak check (strict: a leak
+kills the scheduler, and is never in the log). A summary line per configuration goes to the test's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+from tests.live.models import CORPUS
+from tests.live.server import LiveServer, Output, Request, ServerLog, models
+
+pytestmark = [pytest.mark.live, pytest.mark.timeout(600)]
+
+try:
+    RELEASE = importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the live tier needs SGLang (CI: .ci/sglang-live.sh)", allow_module_level=True)
+#: 0.5.23 and later (topk > 1 on CPU, the adaptive runs).
+NEWER = tuple(int(p) for p in RELEASE.split(".")[:3] if p.isdigit()) >= (0, 5, 23)
+
+STEPS = 3
+#: The switch: off above 4 running requests, on again at <= 2.
+SWITCH = ("--graphpool-spec-off-above", "4", "--graphpool-spec-on-at-or-below", "2")
+SPEC = ("--speculative-num-steps", str(STEPS), "--speculative-draft-load-format", "dummy")
+CONFIGS: Dict[str, Sequence[str]] = {
+    "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{eagle}", *SPEC,
+              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+    "eagle_topk4": ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{eagle}", *SPEC,
+                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", *SWITCH),
+    "eagle3": ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "{eagle3}", *SPEC,
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+    "standalone": ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{target}", *SPEC,
+                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
+}
+#: --speculative-adaptive's table: 3 draft steps below 3 running requests, step 0 from 3 on (where the switch, off
+#: only above 4, still speculates: those plain steps are the adaptive step 0's).
+ADAPTIVE_TABLE = {"1": {"candidate_steps": [STEPS], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+                  "3": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0}}
+#: Why the live tier sends no structured-output request to SGLang 0.5.17: its xgrammar backend allocates the token
+#: bitmask with ``pin_memory=True``, which a CPU-only torch refuses, so SGLang's own server (the oracle too) dies on
+#: the first JSON-schema request ("pin_memory=True requires a CUDA or other accelerator backend"); 0.5.23 asks
+#: ``is_pin_memory_available()`` first.
+NO_STRUCTURED_OUTPUT = "SGLang 0.5.17's xgrammar backend pins its bitmask, which CPU torch refuses"
+#: Concurrency of each wave: 1 -> 16 -> 1, crossing the switch's threshold up and down in each wave above 4.
+RAMP = (1, 6, 16, 2, 8, 1)
+
+
+def prompt(i: int) -> str:
+    """Prompt ``i``: 40 to 46 words of the corpus (long enough that a STANDALONE draft, which never sees the first token,
+    mostly predicts what the target does: see the STANDALONE test)."""
+    words = 40 + i % 7
+    return " ".join(CORPUS[(i * 5 + k) % len(CORPUS)] for k in range(words))
+
+
+def wave(start: int, n: int) -> List[Request]:
+    """``n`` requests of different lengths (the batch shrinks one request at a time, crossing the threshold)."""
+    return [Request(prompt(start + j), max_new_tokens=6 + (7 * j + start) % 17) for j in range(n)]
+
+
+def same_length_wave() -> List[Request]:
+    """4 requests of one length: every decode step runs at 4 requests (adaptive step 0, the switch on)."""
+    return [Request(prompt(300 + j), max_new_tokens=12) for j in range(4)]
+
+
+def ramp_waves() -> List[List[Request]]:
+    waves, start = [], 0
+    for n in RAMP:
+        waves.append(wave(start, n))
+        start += n
+    return waves
+
+
+# ----------------------------------------------------------------------------------- the oracle
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp(f"live-{RELEASE}")
+
+
+@pytest.fixture(scope="module")
+def oracle(work: Path) -> Dict[str, object]:
+    """SGLang's own server without speculation: the outputs of every wave, and of the requests of (f), whose stop
+    strings and stop token ids are taken from its own unconstrained outputs (so they do stop mid-way)."""
+    from transformers import AutoTokenizer
+
+    with LiveServer.start([], work, name="oracle", graphpool=False) as server:
+        ramp = [server.client.generate_many(w) for w in ramp_waves()]
+        flat = server.client.generate_many(same_length_wave())
+        free = server.client.generate_many([Request(prompt(100 + j), max_new_tokens=24) for j in range(2)])
+        tokenizer = AutoTokenizer.from_pretrained(str(models(work / "models")["target"]))
+        special = special_requests(free, tokenizer)
+        answers = server.client.generate_many(special)
+        server.check_health()
+    for request, answer in zip(special, answers):  # the stops do stop, mid-way
+        if request.stop or request.stop_token_ids:
+            assert answer.finish_reason["type"] == "stop" and len(answer.output_ids) < request.max_new_tokens, answer
+    return {"ramp": ramp, "flat": flat, "special": special, "special_out": answers}
+
+
+def special_requests(free: List[Output], tokenizer: object) -> List[Request]:
+    """(f)'s requests: a JSON schema, a stop string and stop token ids seen in the oracle's own free outputs."""
+    stop_id = free[0].output_ids[len(free[0].output_ids) // 2]
+    texts = [tokenizer.decode([t]) for t in free[1].output_ids[4:]]
+    stop_text = next((t for t in texts if t.strip()), None)
+    schema = json.dumps({"type": "object", "properties": {"fox": {"type": "integer"}}, "required": ["fox"]})
+    # ignore_eos off for the stops: SGLang's ignore_eos disregards stop token ids too.
+    out = [Request(prompt(100), max_new_tokens=24, stop_token_ids=[stop_id], ignore_eos=False)]
+    if NEWER:  # see NO_STRUCTURED_OUTPUT
+        out.append(Request(prompt(102), max_new_tokens=32, json_schema=schema, ignore_eos=False))
+    if stop_text is not None:
+        out.append(Request(prompt(101), max_new_tokens=24, stop=[stop_text], ignore_eos=False))
+    return out
+
+
+# ----------------------------------------------------------------------------------- checks
+def same_tokens(got: List[Output], want: List[Output], what: str) -> int:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.output_ids == w.output_ids, f"{what}, request {i}: {g.output_ids} != plain server's {w.output_ids}"
+    return len(got)
+
+
+def check_log(log: ServerLog, *, modes: Sequence[str]) -> Dict[str, int]:
+    assert not log.problems(), f"server log: {log.problems()[:3]}"
+    replays = log.replays()
+    for mode in modes:
+        assert replays.get(mode, 0) > 0, f"no {mode} replay by graphpool's runner: {replays}"
+    assert log.eager_fallbacks() == "none", f"eager fallbacks: {log.eager_fallbacks()}"
+    return replays
+
+
+def run_ramp(server: LiveServer, oracle: Dict[str, object], special_at: int = -1) -> Dict[str, int]:
+    """The ramp's waves (with (f)'s requests and two aborted streams in wave ``special_at``), each checked against
+    the oracle and followed by a health check. Returns counts for the summary."""
+    served = aborted = 0
+    for k, requests in enumerate(ramp_waves()):
+        if k == special_at:
+            special = oracle["special"]
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                streams = [pool.submit(server.client.stream_and_abort, Request(prompt(200 + j), max_new_tokens=64), 3)
+                           for j in range(2)]
+                outs = server.client.generate_many(list(requests) + list(special))
+                assert all(s.result(timeout=120) == 3 for s in streams), "a stream ended before the client closed it"
+            aborted += len(streams)
+            served += same_tokens(outs[:len(requests)], oracle["ramp"][k], f"wave {k}")
+            served += same_tokens(outs[len(requests):], oracle["special_out"], "structured output / stop requests")
+        else:
+            served += same_tokens(server.client.generate_many(requests), oracle["ramp"][k], f"wave {k}")
+        server.check_health()
+    return {"served": served, "identical": served, "aborted": aborted}
+
+
+def summary(name: str, server: LiveServer, counts: Dict[str, int], started: float, **more: object) -> None:
+    log = server.log()
+    print(f"\nlive {RELEASE} {name}: served {counts['served']}, identical {counts['identical']}, aborted "
+          f"{counts['aborted']}; replays {log.replays()}; eager fallbacks {log.eager_fallbacks()}; switch OFF "
+          f"{log.flips('OFF')} ON {log.flips('ON')}; catch-ups {len(log.catch_ups())}; forwards {server.forwards()}; "
+          + "".join(f"{k} {v}; " for k, v in more.items())
+          + f"start {server.started_s:.0f} s, wall {time.monotonic() - started:.0f} s")
+
+
+# ----------------------------------------------------------------------------------- the configurations
+def test_eagle_switch_under_a_ramp_with_structured_output_stops_and_aborts(work, oracle):
+    """(a) and (f)."""
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["eagle"], work, name="eagle") as server:
+        counts = run_ramp(server, oracle, special_at=3)
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.flips("ON") >= 3, f"OFF {log.flips('OFF')}, ON {log.flips('ON')}"
+        assert log.catch_ups(), "speculation resumed without a draft catch-up"
+        summary("eagle (a, f)", server, counts, started, **({} if NEWER else {"no JSON schema": NO_STRUCTURED_OUTPUT}))
+
+
+def test_eagle_topk4_switch(work, oracle):
+    """(b)."""
+    if not NEWER:
+        pytest.skip(f"SGLang {RELEASE}'s own CPU attention (intel_amx forward_decode) reads one length per sequence for "
+                    f"bs * topk draft queries and fails at topk > 1; 0.5.23 fixed it")
+    started = time.monotonic()
+    with LiveServer.start(CONFIGS["eagle_topk4"], work, name="eagle_topk4") as server:
+        counts = run_ramp(server, oracle)
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.catch_ups()
+        summary("eagle topk 4 (b)", server, counts, started)
+
+
+def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
+    """(c), and on 0.5.23 (e) on the same server: SGLang's ``--speculative-adaptive`` chooses 0 draft steps from 3
+    running requests on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool serves those steps as
+    plain steps on DECODE graphs, and the draft model runs no forward for them."""
+    started = time.monotonic()
+    args = CONFIGS["eagle3"]
+    if NEWER:
+        table = work / "adaptive.json"
+        table.write_text(json.dumps(ADAPTIVE_TABLE))
+        args = (*args, "--speculative-adaptive", "--speculative-adaptive-config", str(table))
+    with LiveServer.start(args, work, name="eagle3") as server:
+        counts = run_ramp(server, oracle)
+        more: Dict[str, object] = {}
+        if NEWER:
+            before = server.forwards()  # every decode step of this wave runs at 4 requests: step 0
+            counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "at step 0")
+            counts["identical"] = counts["served"]
+            after = server.forwards()
+            server.check_health()
+            grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            # A verify step (3 draft steps, topk 1) costs 2 draft decodes and 1 draft extend; a prefill or a catch-up
+            # a draft EXTEND. Any other draft forward would be a step 0's: there must be none.
+            verify, decode = grew.get("target TARGET_VERIFY", 0), grew.get("target DECODE", 0)
+            draft = {k: v for k, v in grew.items() if k.startswith("draft") and k != "draft EXTEND"}
+            assert draft.get("draft DECODE", 0) == (STEPS - 1) * verify and sum(draft.values()) == STEPS * verify, \
+                f"draft forwards at adaptive step 0: {draft} for {verify} verify steps"
+            assert decode >= 8, f"{decode} of the wave's steps were adaptive step 0's plain steps: {grew}"
+            more = {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
+                    "verify steps (at < 3 running)": verify}
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") >= 3 and log.catch_ups()
+        summary("eagle3 (c" + (", e)" if NEWER else ")"), server, counts, started, **more)
+
+
+def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracle):
+    """(d): the target as its own draft proposes what the target decodes, so a verify step accepts all ``STEPS`` drafts,
+    the first one after a catch-up included: the catch-up rebuilt the draft's KV as SGLang's own draft steps would.
+
+    Not every request qualifies: SGLang feeds an EAGLE-family draft its inputs shifted by one (position p sees token
+    p + 1), so a STANDALONE draft never sees a sequence's first token, which changes some predictions. So every request
+    of the ramp first runs alone (SGLang's own path: at most 2 running, the switch never off, no catch-up); one whose
+    verify steps all accept every draft there has a draft that is right at every position of its sequence. Then waves
+    of 6 (the switch goes off) whose two longest requests are such ones: speculation resumes at 2 running requests,
+    which are exactly those two, caught up after their plain steps, and each of their verify steps must accept every
+    draft. The radix cache is off, so each run of a request computes its own KV."""
+    started = time.monotonic()
+    requests = [r for w in ramp_waves() for r in w]
+    want = [o for w in oracle["ramp"] for o in w]
+    with LiveServer.start((*CONFIGS["standalone"], "--disable-radix-cache"), work, name="standalone") as server:
+        alone = server.client.generate_many(requests, concurrency=2)
+        counts = {"served": same_tokens(alone, want, "alone"), "aborted": 0}
+        assert server.log().flips("OFF") == 0
+        by_length = sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens)
+        clean = [i for i in by_length if not any(accepted(alone[i])[:STEPS]) and requests[i].max_new_tokens >= 10]
+        others = [i for i in by_length if i not in clean]
+        assert len(clean) >= 4, f"{len(clean)} of {len(requests)} requests clean alone"
+        resumed, verify_steps = 0, 0
+        for k in range(min(3, len(clean) // 2)):
+            pair = clean[2 * k:2 * k + 2]
+            # Four more, cut 5 tokens shorter than the pair (greedy: their outputs are the oracle's, cut): the pair
+            # outlasts them, so speculation resumes at exactly the pair, after its plain steps.
+            cut = min(requests[i].max_new_tokens for i in pair) - 5
+            fillers = [dataclasses.replace(requests[i], max_new_tokens=cut) for i in others[4 * k:4 * k + 4]]
+            outs = server.client.generate_many([requests[i] for i in pair] + fillers)
+            counts["served"] += same_tokens(outs[:2], [want[i] for i in pair], f"wave {k}")
+            counts["served"] += same_tokens(outs[2:], [dataclasses.replace(want[i], output_ids=want[i].output_ids[:cut])
+                                                       for i in others[4 * k:4 * k + 4]], f"wave {k}, cut")
+            server.check_health()
+            for i, out in zip(pair, outs[:2]):
+                histogram = accepted(out)
+                assert not any(histogram[:STEPS]), f"request {i} accepted fewer than {STEPS} drafts after a resume: " \
+                                                   f"{histogram} (alone: {accepted(alone[i])})"
+                verify_steps += histogram[STEPS] if len(histogram) > STEPS else 0
+            resumed += 2
+        counts["identical"] = counts["served"]
+        log = server.log()
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        assert log.flips("OFF") == log.flips("ON") >= 2 and log.catch_ups() == [2] * log.flips("ON"), log.catch_ups()
+        assert verify_steps >= resumed, "each caught-up request verified at least once after its resume"
+        summary("standalone (d)", server, counts, started,
+                **{"requests clean alone": f"{len(clean)} of {len(requests)}", "caught up and checked": resumed,
+                   f"their verify steps after resume, all accepting {STEPS} (length {STEPS + 1})": verify_steps})
+
+
+def accepted(output: Output) -> List[int]:
+    """SGLang's per-request histogram: verify steps by the number of drafts they accepted (plain steps are none)."""
+    return output.meta.get("spec_correct_drafts_histogram") or []
+
+
+def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(live_server, tmp_path):
+    """Bad input: the launcher refuses an option it cannot honour on this SGLang before SGLang loads anything, and the
+    live tier reports the server's own message instead of waiting (one release is enough: the launcher's code)."""
+    if not NEWER:
+        pytest.skip("run on SGLang 0.5.23 (the launcher's check is release-independent; a start costs ~15 s)")
+    args = (*CONFIGS["eagle"], "--graphpool-spec-min-accept", "1.5")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="spec-min-accept drives the classic API") as refused:
+        live_server(args, name="refused", timeout=120)
+    log = (tmp_path / "refused.log").read_text()
+    assert "Load weight begin" not in log and time.monotonic() - started < 120, str(refused.value)

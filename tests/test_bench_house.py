@@ -4,11 +4,11 @@
   as what such a file imports or names (a module of the engine, a script gpu.sh runs). bench/RESULTS.md and
   bench/RESULTS_HISTORY.md are the record; every data file under bench/results/ is cited there (a name, or a
   pattern with ``*`` or ``{a,b}``).
-* Every bench/ path the README, docs/ and bench/RESULTS.md name exists (RESULTS_HISTORY.md cites removed files on
-  purpose, with the commit that had them).
+* Every bench/ path the README, docs/, the integrations' guides and bench/RESULTS.md name exists (RESULTS_HISTORY.md
+  cites removed files on purpose, with the commit that had them).
 * bench/gpu.sh, the GPU runs' one entry point, lists its runs and refuses an unknown one; its ``tiers`` run (issue
   40's) goes end to end on a CPU.
-* README.md stays within 10 KiB.
+* README.md stays within 10 KiB, the SGLang guide (integrations/sglang/README.md) within 12 KiB.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_every_results_file_is_cited_by_the_record():
 
 
 def test_the_docs_name_only_bench_files_that_exist():
-    docs = ["README.md", "bench/RESULTS.md", *[f for f in _tracked("docs") if f.endswith(".md")]]
+    docs = ["README.md", "bench/RESULTS.md", *[f for f in _tracked("docs", "integrations") if f.endswith(".md")]]
     missing = {doc: sorted(p for p in _named((ROOT / doc).read_text()) if not (ROOT / p).exists())
                for doc in docs}
     missing = {doc: paths for doc, paths in missing.items() if paths}
@@ -141,6 +141,12 @@ def test_the_docs_name_only_bench_files_that_exist():
 def test_the_readme_stays_within_10_kib():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= 10 * 1024, f"README.md is {size} bytes, over 10,240: the front page is one screen; link the rest"
+
+
+def test_the_sglang_guide_stays_within_12_kib():
+    size = len((ROOT / "integrations" / "sglang" / "README.md").read_bytes())
+    assert size <= 12 * 1024, (f"integrations/sglang/README.md is {size} bytes, over 12,288: it is the guide (what, "
+                               f"how to run, releases, refusals); mechanisms go to docs/sglang/")
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -13,12 +13,15 @@ configuration's greedy outputs must equal its outputs token for token. Configura
   stop strings, stop token ids and streams the client closes mid-way (f);
 * ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.23: 0.5.17's own CPU attention reads one length per
   sequence for ``bs * topk`` draft queries and fails at topk > 1);
-* ``eagle3``: EAGLE3 topk 1 with the switch (c); on 0.5.23 with SGLang's ``--speculative-adaptive`` too, whose table
-  has step 0 from 3 running requests on: those steps are plain steps on graphpool's DECODE graphs with no draft
-  forward (e);
+* ``eagle3``: EAGLE3 topk 1 with the switch (c) and SGLang's ``--speculative-adaptive``, whose table has 3, 2 and 0
+  draft steps at 1, 2 and 3+ running requests: the step-0 steps are plain steps on graphpool's DECODE graphs with no
+  draft forward (e), and the three states' target runners share graphpool's one pool: DECODE graphs captured once (4a);
 * ``standalone``: STANDALONE with the target as its own draft (the same dummy weights): requests whose draft is right
   at every position when they run alone, caught up after plain steps, accept ``steps`` drafts at every verify step
   after the resume (d);
+* ``tiers``: graphpool's own tiers (``--graphpool-tiers``: 3, 2 and 1 draft steps by batch size, plain decode above),
+  STANDALONE at topk 4 (0.5.17: topk 1), which SGLang's adaptive mode refuses: waves that visit every tier in both
+  directions, each tier's verify steps accepting its most after every change and resume (4b);
 
 Each also checks: every request not aborted completes, ``/health`` after every wave, graphpool's replays by mode
 with no eager fallback, the switch's OFF/ON flips and catch-ups, and SGLang's own idle KV-leak check (strict: a leak
@@ -227,46 +230,43 @@ def test_eagle_topk4_switch(work, oracle):
 
 
 def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
-    """(c), and on 0.5.23 (e) on the same server: SGLang's ``--speculative-adaptive`` chooses 0 draft steps from 3
-    running requests on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool serves those steps as
-    plain steps on DECODE graphs, and the draft model runs no forward for them."""
+    """(c), and (e) and (4a) on the same server: SGLang's ``--speculative-adaptive`` chooses 3 draft steps at 1 running
+    request, 2 at 2 and 0 from 3 on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool serves step 0
+    as plain steps on DECODE graphs, and the draft model runs no forward for them (e). Its three states' target runners
+    are views of graphpool's one pool: the DECODE graphs captured once, each speculating state's verify graphs once
+    (4a; before, each state's runner captured DECODE and verify graphs of its own)."""
     started = time.monotonic()
-    args = CONFIGS["eagle3"]
-    if NEWER:
-        table = work / "adaptive.json"
-        table.write_text(json.dumps(ADAPTIVE_TABLE))
-        args = (*args, "--speculative-adaptive", "--speculative-adaptive-config", str(table))
+    table = work / "adaptive.json"
+    table.write_text(json.dumps(ADAPTIVE_TABLE))
+    args = (*CONFIGS["eagle3"], "--speculative-adaptive", "--speculative-adaptive-config", str(table))
     with LiveServer.start(args, work, name="eagle3") as server:
         counts = run_ramp(server, oracle)
-        more: Dict[str, object] = {}
-        if NEWER:
-            before, verified = server.forwards(), server.log().replays()  # this wave decodes at 4 requests: step 0
-            counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "at step 0")
-            counts["identical"] = counts["served"]
-            after, replays = server.forwards(), server.log().replays()
-            server.check_health()
-            grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            # A verify step of s draft steps (topk 1) costs s - 1 draft decodes and 1 draft extend; a prefill or a
-            # catch-up a draft EXTEND. Any other draft forward would be a step 0's: there must be none.
-            verify = {s: replays.get(m, 0) - verified.get(m, 0) for m, s in ADAPTIVE_VERIFY.items()}
-            decode = grew.get("target DECODE", 0)
-            draft = {k: v for k, v in grew.items() if k.startswith("draft") and k != "draft EXTEND"}
-            assert sum(verify.values()) == grew.get("target TARGET_VERIFY", 0), (verify, grew)
-            assert draft.get("draft DECODE", 0) == sum((s - 1) * n for s, n in verify.items()) and \
-                sum(draft.values()) == sum(s * n for s, n in verify.items()), \
-                f"draft forwards at adaptive step 0: {draft} for verify steps {verify} (by draft steps)"
-            assert decode >= 8, f"{decode} of the wave's steps were adaptive step 0's plain steps: {grew}"
-            more = {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
-                    "verify steps by draft steps (at < 3 running)": verify}
+        before, verified = server.forwards(), server.log().replays()  # this wave decodes at 4 requests: step 0
+        counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "at step 0")
+        counts["identical"] = counts["served"]
+        after, replays = server.forwards(), server.log().replays()
+        server.check_health()
+        grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # A verify step of s draft steps (topk 1) costs s - 1 draft decodes and 1 draft extend; a prefill or a
+        # catch-up a draft EXTEND. Any other draft forward would be a step 0's: there must be none.
+        verify = {s: replays.get(m, 0) - verified.get(m, 0) for m, s in ADAPTIVE_VERIFY.items()}
+        decode = grew.get("target DECODE", 0)
+        draft = {k: v for k, v in grew.items() if k.startswith("draft") and k != "draft EXTEND"}
+        assert sum(verify.values()) == grew.get("target TARGET_VERIFY", 0), (verify, grew)
+        assert draft.get("draft DECODE", 0) == sum((s - 1) * n for s, n in verify.items()) and \
+            sum(draft.values()) == sum(s * n for s, n in verify.items()), \
+            f"draft forwards at adaptive step 0: {draft} for verify steps {verify} (by draft steps)"
+        assert decode >= 8, f"{decode} of the wave's steps were adaptive step 0's plain steps: {grew}"
+        more = {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
+                "verify steps by draft steps (at < 3 running)": verify}
         log = server.log()
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
-        if NEWER:  # (4a) three adaptive states, one pool: DECODE captured once, each state's verify graphs once
-            captures = log.captures()
-            assert captures == {"DECODE": 1, **dict.fromkeys(ADAPTIVE_VERIFY, 1)}, captures
-            assert all(log.replays().get(m, 0) > 0 for m in ADAPTIVE_VERIFY), log.replays()
-            more["captures (4a: one pool behind the 3 adaptive states)"] = captures
+        # (4a) three adaptive states, one pool: DECODE captured once, each speculating state's verify graphs once
+        captures = log.captures()
+        assert captures == {"DECODE": 1, **dict.fromkeys(ADAPTIVE_VERIFY, 1)}, captures
+        assert all(log.replays().get(m, 0) > 0 for m in ADAPTIVE_VERIFY), log.replays()
         assert log.flips("OFF") >= 3 and log.catch_ups()
-        summary("eagle3 (c" + (", e)" if NEWER else ")"), server, counts, started, **more)
+        summary("eagle3 (c, e, 4a)", server, counts, started, captures_of_the_3_adaptive_states=captures, **more)
 
 
 def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracle):

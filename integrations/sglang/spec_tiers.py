@@ -180,10 +180,10 @@ def _draft_contexts(worker: Any) -> contextlib.ExitStack:
     from sglang.srt.speculative import eagle_worker_v2 as module
 
     stack, draft = contextlib.ExitStack(), worker._draft_worker
-    if hasattr(module, "draft_tp_context") and hasattr(draft, "parallel_layout"):
-        stack.enter_context(module.draft_tp_context(draft.parallel_layout))
-    elif hasattr(draft, "draft_tp_context"):
+    if hasattr(draft, "draft_tp_context"):  # 0.5.14 to 0.5.17: the draft worker's own, by its TP group
         stack.enter_context(draft.draft_tp_context(draft.draft_runner.tp_group))
+    elif hasattr(draft, "parallel_layout"):  # 0.5.23: by the draft's resolved parallel layout
+        stack.enter_context(module.draft_tp_context(draft.parallel_layout))
     for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
         if hasattr(module, name):
             stack.enter_context(getattr(module, name)())

@@ -72,9 +72,8 @@ def _pool_for(model_runner: Any, kwargs: Dict[str, Any]) -> Optional[Any]:
     or ``None`` (a pool of the runner's own) for a shape the model's pool does not plan."""
     from . import common
     from .runner_api_support import decode_batch_sizes, spec_settings
-    from .spec_switch_v2 import routes_plain_steps
     from .target_graphs import TargetGraphs
-    from .tier_plan import planned_tiers
+    from .tier_plan import planned_tiers, routes_plain_steps
 
     settings = spec_settings(model_runner, kwargs.get("speculative_num_steps"),
                              kwargs.get("speculative_num_draft_tokens"))

@@ -37,6 +37,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from . import tier_plan
 from .draft_lag import DraftLag
 from .eagle_v1_plain import PLAIN_STEP
 from .fields import req_pool_rows
@@ -385,14 +386,9 @@ def install_step_choice(choice: StepChoice) -> None:
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+    tier_plan.note_plain_steps(True)
     _keep_plain_steps_out_of_spec_metrics(choice)
     _say_where_the_switch_does_not_act()
-
-
-def routes_plain_steps() -> bool:
-    """Whether the switch (or graphpool's tiers) is installed in this process: SGLang's adaptive step 0 then runs as
-    a plain step on a DECODE graph, so no runner needs 1-token TARGET_VERIFY graphs for it."""
-    return _original_forward is not None
 
 
 #: SGLang's spec-v2 workers with a ``forward_batch_generation`` of their own, which the switch does not drive
@@ -464,6 +460,7 @@ def uninstall_speculation_switch() -> None:
     """Restore SGLang's ``forward_batch_generation`` methods and ``process_batch_result_decode`` the switch wrapped."""
     global _original_forward, _original_process_decode
     _processed.clear()
+    tier_plan.note_plain_steps(False)
     if _original_process_decode is not None:
         from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
 

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from . import tier_plan
 from .spec_switch_v2 import install_step_choice
 from .tier_table import TierTable
 
@@ -46,11 +47,6 @@ _ALLOCATION_MODULES = ("sglang.srt.mem_cache.allocation_sizing", "sglang.srt.mem
 _active: Optional["TierChoice"] = None
 _original_init_graphs: Optional[Any] = None
 _original_alloc: Optional[tuple] = None  # (module, SGLang's get_alloc_len_per_decode)
-
-
-def active_table() -> Optional[TierTable]:
-    """The tiers installed in this process (``None``: none): the target model's pool plans their verify graphs."""
-    return None if _active is None else _active.table
 
 
 @dataclass
@@ -211,6 +207,7 @@ def install_speculation_tiers(table: TierTable, every: int = DEFAULT_EVERY) -> T
 
     _original_init_graphs = original
     EAGLEWorkerV2.init_cuda_graphs = init_cuda_graphs
+    tier_plan.note_tiers(table)  # the target's pool plans every tier's verify graphs
     _wrap_the_reservation()
     install_step_choice(choice)
     log.info("graphpool: speculation tiers %s (plain decode above the last bound)", choice.schedule.describe())
@@ -265,4 +262,5 @@ def uninstall_speculation_tiers() -> None:
         module.get_alloc_len_per_decode = original
         _original_alloc = None
     _active = None
+    tier_plan.note_tiers(None)
     uninstall_speculation_switch()

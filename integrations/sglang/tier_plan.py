@@ -14,21 +14,44 @@ size its static buffers for the largest and capture each tier's graphs into it a
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from .fields import setting
 from .runner_api_support import SpecSettings
 from .target_graphs import VerifyTier
+from .tier_table import TierTable
 
 log = logging.getLogger(__name__)
+
+#: What this process installed that a target's pool plans around, noted by the installers
+#: (:func:`~.spec_tiers.install_speculation_tiers`, :func:`~.spec_switch_v2.install_step_choice`).
+_installed: dict = {"tiers": None, "plain_steps": False}
+
+
+def note_tiers(table: Optional[TierTable]) -> None:
+    """graphpool's tiers are installed in this process (``None``: no longer)."""
+    _installed["tiers"] = table
+
+
+def note_plain_steps(on: bool) -> None:
+    """Plain steps are routed to DECODE graphs in this process (the switch, the adaptive step-0 routing, the tiers)."""
+    _installed["plain_steps"] = on
+
+
+def active_table() -> Optional[TierTable]:
+    """The tiers installed in this process (``None``: none)."""
+    return _installed["tiers"]
+
+
+def routes_plain_steps() -> bool:
+    """Whether SGLang's adaptive step 0 runs as a plain step on a DECODE graph here: then no runner needs 1-token
+    TARGET_VERIFY graphs for it."""
+    return _installed["plain_steps"]
 
 
 def planned_tiers(model_runner: Any, startup: SpecSettings, decode_batch_sizes: Sequence[int]) -> List[VerifyTier]:
     """The verify tiers of ``model_runner``'s pool; the first runner's own shape (``startup``) always among them."""
-    from . import spec_tiers
-    from .spec_switch_v2 import routes_plain_steps
-
-    table = spec_tiers.active_table()
+    table = active_table()
     if table is not None:
         tiers = [VerifyTier(t.steps, t.topk, t.num_draft_tokens, sizes)
                  for t, sizes in zip(table.tiers, table.batch_sizes(decode_batch_sizes))]

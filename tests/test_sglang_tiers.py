@@ -31,7 +31,8 @@ from graphpool.integrations.sglang.patch_runner_api import DecodeRunnerFactory, 
 from graphpool.integrations.sglang.runner_api import MultiModeDecodeRunner
 from graphpool.integrations.sglang.tier_table import TierTable
 
-CPU = torch.device("cpu")
+#: (device, tolerance): the eager twin in float64 (CI), and real CUDA graphs in float32 (the GPU machine).
+DEVICES = [("cpu", 1e-9), pytest.param(("cuda", 2e-4), marks=pytest.mark.gpu)]
 TABLE = TierTable.parse("4x3:8@1,4x2:6@2,4x1:4@4/3")
 
 
@@ -54,9 +55,14 @@ def _captures(caplog) -> dict:
     return counts
 
 
-def _target(cfg: H.HarnessConfig, **publish) -> R.RunnerApiModelRunner:
+def _config(device: str, **fields) -> H.HarnessConfig:
+    return H.HarnessConfig(dtype=torch.float64 if device == "cpu" else torch.float32, **fields)
+
+
+def _target(cfg: H.HarnessConfig, device: str = "cpu", **publish) -> R.RunnerApiModelRunner:
     args = R.publish(cfg, speculative=True, **publish)
-    return R.RunnerApiModelRunner(cfg, CPU, speculative=True, topk=args.speculative_eagle_topk, server_args=args)
+    return R.RunnerApiModelRunner(cfg, torch.device(device), speculative=True, topk=args.speculative_eagle_topk,
+                                  server_args=args)
 
 
 def _worker(target: R.RunnerApiModelRunner) -> EAGLEWorkerV2:
@@ -79,7 +85,8 @@ def _worker(target: R.RunnerApiModelRunner) -> EAGLEWorkerV2:
     worker.__dict__.update(
         topk=target.server_args.speculative_eagle_topk, speculative_num_steps=draft.speculative_num_steps,
         speculative_num_draft_tokens=draft.speculative_num_draft_tokens, _draft_worker=draft,
-        _target_worker=SimpleNamespace(model_runner=target), device="cpu", gpu_id=0, server_args=target.server_args,
+        _target_worker=SimpleNamespace(model_runner=target), device=target.device.type, gpu_id=0,
+        server_args=target.server_args,
         adaptive_controller=None, _additional_graph_memory_usage={}, _additional_graph_time_usage={})
     if not isinstance(getattr(EAGLEWorkerV2, "draft_worker", None), property):  # a property over _draft_worker in 0.5.2x
         worker.draft_worker = draft
@@ -104,9 +111,9 @@ def _steps(mr: R.RunnerApiModelRunner, reqs: H.Requests, alloc: H.SlotAllocator,
     return out
 
 
-def _against_eager(cfg: H.HarnessConfig, tiered: R.RunnerApiModelRunner, plan, **publish) -> None:
+def _against_eager(cfg: H.HarnessConfig, tiered: R.RunnerApiModelRunner, plan, atol: float, **publish) -> None:
     """The tiered world's steps equal the same steps run eagerly (a target without graphs), each on a graph."""
-    eager = _target(cfg, **publish)
+    eager = _target(cfg, tiered.device.type, **publish)
     worlds = []
     for mr, choose in ((tiered, True), (eager, False)):
         reqs = H.make_requests(cfg, 8, prompt_len=6, seed=3)
@@ -115,17 +122,19 @@ def _against_eager(cfg: H.HarnessConfig, tiered: R.RunnerApiModelRunner, plan, *
         worlds.append(_steps(mr, reqs, alloc, [(w, rows, b if choose else (lambda: None)) for w, rows, b in plan], 5))
     for i, ((graph, logits), (ran_eager, want)) in enumerate(zip(*worlds)):
         assert graph and not ran_eager, f"step {i} ({plan[i][0]} tokens, bs {len(plan[i][1])}) ran eagerly"
-        torch.testing.assert_close(logits, want, atol=1e-9, rtol=0, msg=f"step {i}")
+        torch.testing.assert_close(logits, want, atol=atol, rtol=0, msg=f"step {i}")
 
 
 # ----------------------------------------------------------------------------------------- 4b: graphpool's tiers
-def test_tier_states_are_sglangs_own_with_the_tables_draft_tokens_over_one_pool(caplog):
+@pytest.mark.parametrize("setup", DEVICES)
+def test_tier_states_are_sglangs_own_with_the_tables_draft_tokens_over_one_pool(caplog, setup):
     """graphpool builds each tier's state with SGLang's own build_adaptive_runtime_state, with the table's draft tokens
     at topk 4 (SGLang's adaptive mode passes steps + 1, and refuses topk > 1); every tier's target runner is a view of
     one pool, whose DECODE graphs were captured once; the schedule's choice swaps the states in with SGLang's
     apply_runtime_state, and every tier's verify steps and the plain steps equal eager execution."""
-    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4, 8), draft_tokens=8)
-    target = _target(cfg, topk=4)
+    device, atol = setup
+    cfg = _config(device, batch_sizes=(1, 2, 4, 8), draft_tokens=8)
+    target = _target(cfg, device, topk=4)
     gp_sglang.install()
     choice = spec_tiers.install_speculation_tiers(TABLE, every=1)
     with caplog.at_level(logging.INFO, logger="graphpool"):
@@ -144,6 +153,11 @@ def test_tier_states_are_sglangs_own_with_the_tables_draft_tokens_over_one_pool(
     assert pool.batch_sizes == {"decode": (1, 2, 4, 8), "target_verify_4x3:8": (1,), "target_verify_4x2:6": (1, 2),
                                 "target_verify_4x1:4": (1, 2, 4)}
     assert pool.static_inputs["input_ids"].shape[0] == max(8 * 1, 1 * 8, 2 * 6, 4 * 4)
+    if device == "cuda":  # every tier's graphs and the DECODE graphs in SGLang's one graph memory pool
+        from sglang.srt.model_executor.runner_utils import pool as sglang_pool
+
+        assert pool.memory_pool is sglang_pool.get_global_graph_memory_pool() is not None
+        print({mode: pool.stats.mode_bytes(mode) / 2**20 for mode in pool.modes}, "MiB of graphs by mode")
 
     def tier(bs):  # the schedule's choice, as the worker's forward asks it
         return lambda: choice.speculate(worker, bs)
@@ -151,7 +165,7 @@ def test_tier_states_are_sglangs_own_with_the_tables_draft_tokens_over_one_pool(
     plan = [(8, [0], tier(1)), (6, [0, 1], tier(2)), (4, [0, 1, 2], tier(3)), (1, [0, 1, 2, 3, 4], tier(5)),
             (1, [0, 1, 2, 3], tier(4)), (4, [0, 1, 2], tier(3)), (8, [0], tier(1)), (4, [1, 2, 3, 5], tier(4)),
             (6, [2, 3], tier(2)), (1, [0, 1, 2, 3, 4, 5, 6], tier(7))]
-    _against_eager(cfg, target, plan, topk=4)
+    _against_eager(cfg, target, plan, atol, topk=4)
     assert choice.schedule.switches == 8 and choice.plain_steps == 3
 
 
@@ -162,7 +176,7 @@ def test_the_kv_reservation_is_the_largest_tiers_at_every_tier():
     from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
     module = next(m for m in map(_import, spec_tiers._ALLOCATION_MODULES) if hasattr(m, "get_alloc_reserve_per_decode"))
-    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4), draft_tokens=8)
+    cfg = _config("cpu", batch_sizes=(1, 2, 4), draft_tokens=8)
     target = _target(cfg, topk=4)
     worker = _worker(target)
 
@@ -221,7 +235,8 @@ def test_each_verify_steps_acceptance_is_counted_for_its_tier(caplog):
 
 
 # ----------------------------------------------------------------------------------------- 4a: SGLang's adaptive
-def test_sglangs_adaptive_states_share_one_pool_and_step0_has_no_verify_graph(tmp_path, caplog):
+@pytest.mark.parametrize("setup", DEVICES)
+def test_sglangs_adaptive_states_share_one_pool_and_step0_has_no_verify_graph(tmp_path, caplog, setup):
     """SGLang's --speculative-adaptive builds a target runner per step count (its init_states, through the name
     graphpool's install() replaced): each is a view of the target's one pool, which the first runner sized from SGLang's
     own candidate steps; the DECODE graphs are captured once, each speculating state's verify graphs once, at the batch
@@ -230,8 +245,9 @@ def test_sglangs_adaptive_states_share_one_pool_and_step0_has_no_verify_graph(tm
     config = tmp_path / "adaptive.json"
     config.write_text(json.dumps({"1": {"candidate_steps": [3]}, "2": {"candidate_steps": [1]},
                                   "4": {"candidate_steps": [0]}}))
-    cfg = H.HarnessConfig(batch_sizes=(1, 2, 4, 8), draft_tokens=4)
-    target = _target(cfg, adaptive=True, adaptive_config=str(config))
+    device, atol = setup
+    cfg = _config(device, batch_sizes=(1, 2, 4, 8), draft_tokens=4)
+    target = _target(cfg, device, adaptive=True, adaptive_config=str(config))
     gp_sglang.install()
     spec_switch_v2.install_speculation_switch(None)  # the launcher's adaptive step-0 routing
     from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
@@ -255,7 +271,7 @@ def test_sglangs_adaptive_states_share_one_pool_and_step0_has_no_verify_graph(tm
 
     plan = [(4, [0], active(first)), (2, [0, 1], active(tiers[1])), (1, [0, 1, 2, 3], active(tiers[0])),
             (1, [0, 1], active(tiers[1])), (4, [2], active(first)), (1, [0, 1, 2, 3, 4, 5], active(tiers[0]))]
-    _against_eager(cfg, target, plan, adaptive=True, adaptive_config=str(config))
+    _against_eager(cfg, target, plan, atol, adaptive=True, adaptive_config=str(config))
 
 
 # ----------------------------------------------------------------------------------------- the launcher

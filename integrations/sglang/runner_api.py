@@ -104,6 +104,7 @@ class MultiModeDecodeRunner:
         if verify is not None:
             self.pool_modes[ForwardMode.TARGET_VERIFY] = verify
         self.tokens_per_mode = {m: graphs.tokens[name] for m, name in self.pool_modes.items()}
+        self._sizes = {m: graphs.pool.batch_sizes[name] for m, name in self.pool_modes.items()}  # per step: no dict
         # The first runner of a pool captures its DECODE graphs, with its own backend; each its tier's verify graphs.
         graphs.capture(list(self.pool_modes.values()), self.attn_backend)
         self.capture_bs = list(graphs.pool.batch_sizes[self.pool_modes.get(self.capture_forward_mode, DECODE)])
@@ -204,7 +205,7 @@ class MultiModeDecodeRunner:
                                           f"{self.speculative_num_draft_tokens}" if mode in common.MODE_NAMES else "")
         if forward_batch.replace_embeds is not None:
             return f"{name} with replaced embeddings"
-        sizes = self.pool.batch_sizes[self.pool_modes[mode]]
+        sizes = self._sizes[mode]
         if bs < 1 or not (bs in sizes if self.disable_padding else bs <= sizes[-1]):
             return f"{name} bs {bs} not captured" if self.disable_padding else f"{name} bs {bs} > {sizes[-1]}"
         # The check a single-mode runner lacks: a step carries exactly bs x tokens_per_seq tokens of its mode.

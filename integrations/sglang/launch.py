@@ -89,12 +89,12 @@ class GraphpoolOptions:
         runner_api = versions.runner_api() == versions.RUNNER
         if runner_api and self.spec_min_accept is not None:  # refused before anything is patched
             raise SystemExit(MIN_ACCEPT_NEEDS_CLASSIC)
+        if self.tiers is not None and not runner_api:
+            raise SystemExit(TIERS_NEED_RUNNER_API)
         if not self.keep_sglang_runner:
             from .patch import install
 
             install()
-        if self.tiers is not None and not runner_api:  # refused before anything runs
-            raise SystemExit(TIERS_NEED_RUNNER_API)
         # --- runner API (SGLang 0.5.14+): the tiers (issue 38), or the spec-v2 switch (issue 13) ---
         if runner_api:
             if self.tiers is not None:

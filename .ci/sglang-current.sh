@@ -22,7 +22,7 @@ RANGE=.sgl-current
 TESTS="tests/test_sglang_runner_api.py tests/test_sglang_runner_api_contract.py tests/test_sglang_spec_v2_defaults.py
        tests/test_sglang_spec_switch_v2.py tests/test_sglang_draft_lag.py tests/test_sglang_runner.py
        tests/test_sglang_spec_switch.py tests/test_sglang_launch.py tests/test_sglang_refusals.py
-       tests/test_sglang_spec_v2_metrics.py"
+       tests/test_sglang_spec_v2_metrics.py tests/test_sglang_tiers.py"
 SWEEP=tests/test_sglang_spec_switch_v2.py::test_switch_sweep_1_to_64_and_back_cpu
 declare -A LEAVE_OUT=([0.5.14]="--deselect $SWEEP[1] --deselect $SWEEP[4]" [0.5.17]="--deselect $SWEEP[1]" [0.5.23]="")
 RELEASES=$(awk '!/^#/ && NF {print $1}' "$REQS" | uniq)

@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
@@ -110,10 +110,12 @@ class Step:
 
 def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare: Optional[PrepareFn],
                 outputs: OutputRules, warmup: int, backend: CudaGraphBackend | EagerBackend, stager: Any,
-                progress: bool, fresh: Optional[FreshViews] = None) -> dict[GraphKey, Entry]:
-    """Capture every key, largest token count first (later, smaller graphs reuse the earlier ones' freed
-    blocks of the shared memory pool). Raises :class:`CaptureError` (the cause attached) on any failure."""
-    order = keys.capture_order()
+                progress: bool, fresh: Optional[FreshViews] = None,
+                modes: Optional[Collection[str]] = None) -> dict[GraphKey, Entry]:
+    """Capture every key (of ``modes`` only, when given), largest token count first (later, smaller graphs reuse
+    the earlier ones' freed blocks of the shared memory pool). Raises :class:`CaptureError` (the cause attached) on
+    any failure."""
+    order = [k for k in keys.capture_order() if modes is None or k.mode in modes]
     started = time.perf_counter()
     entries: dict[GraphKey, Entry] = {}
     try:
@@ -125,7 +127,9 @@ def capture_all(keys: KeyTable, buffers: StaticBuffers, step_fn: StepFn, prepare
                 if progress:
                     _progress(f"capturing graphs {i}/{len(order)}: {key.mode} bs={key.bs}", i == len(order))
     except Exception as exc:
-        raise CaptureError(_capture_failure_message(key, exc, backend.name)) from exc
+        kept = ("No graph of this pool was kept" if modes is None else
+                f"No graph of mode(s) {', '.join(sorted(modes))} was kept (the pool's other modes keep theirs)")
+        raise CaptureError(_capture_failure_message(key, exc, backend.name, kept)) from exc
     log.info("captured %d graphs (%s backend) in %.2f s, graph memory %.1f MiB", len(order), backend.name,
              time.perf_counter() - started, sum(e.stats.graph_bytes for e in entries.values()) / 2**20)
     return entries
@@ -264,11 +268,12 @@ def _progress(message: str, last: bool) -> None:
     sys.stderr.flush()
 
 
-def _capture_failure_message(key: GraphKey, exc: BaseException, backend: str) -> str:
+def _capture_failure_message(key: GraphKey, exc: BaseException, backend: str,
+                             kept: str = "No graph of this pool was kept") -> str:
     cause = str(exc).rstrip().rstrip(".")
     failed = f"capture of graph (mode {key.mode!r}, bs {key.bs}) failed on the {backend} backend"
     if isinstance(exc, StepOutputError):  # what the step returns, not how it runs: the message says the fix
-        return f"{failed}: {cause}. No graph of this pool was kept."
+        return f"{failed}: {cause}. {kept}."
     remedies = [
         "state sized by its first call breaks at the next batch size: transformers' StaticCache, for one, takes "
         "its batch size from its first write (an index_copy_ shape error at the second key); allocate such state "
@@ -285,4 +290,4 @@ def _capture_failure_message(key: GraphKey, exc: BaseException, backend: str) ->
         remedies += ["lower the largest batch size if the GPU ran out of memory",
                      "if a library allocates lazily, make sure the warm-up run (warmup >= 1) touches it"]
     listed = "".join(f"\n{i}. {r};" for i, r in enumerate(remedies, 1))[:-1] + "."
-    return f"{failed}: {type(exc).__name__}: {cause}. No graph of this pool was kept. Possible solutions:{listed}"
+    return f"{failed}: {type(exc).__name__}: {cause}. {kept}. Possible solutions:{listed}"

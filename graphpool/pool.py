@@ -163,7 +163,8 @@ class GraphPool:
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, step_fn: StepFn, prepare: PrepareFn | None = None, warmup: int = 1,
-                progress: bool = True, *, outputs: OutputRules = None) -> None:
+                progress: bool = True, *, outputs: OutputRules = None,
+                modes: Sequence[str | Mode] | None = None) -> None:
         """Capture one graph per (mode, bs), largest token count first, into one memory pool.
 
         Args:
@@ -179,30 +180,61 @@ class GraphPool:
             outputs: which outputs have rows (the output rule, see the module docstring): ``None`` (every
                 output returned whole), ``"token"`` or ``"seq"`` (every output), or a mapping from output
                 paths (``"logits"``, ``"hidden.0"``) to ``"token"``, ``"seq"`` or ``None``.
+            modes: capture only these modes (names or the pool's :class:`Mode`), keeping the graphs this pool
+                holds of every other mode; ``None``: every mode, anew. For modes that arrive one at a time (a
+                server that builds one speculation tier after another, each with its own attention state): the
+                buffers are already sized for every mode the pool was built with, and the later graphs go into
+                the same memory pool. Until its first capture a mode's steps raise :class:`NotCapturedError`.
+                Every capture of a pool passes the same ``step_fn``, ``prepare`` and ``outputs`` (one step
+                function serves every mode, and the eager path of a batch too large).
 
         Raises:
             CaptureError: a key failed to capture (or the step's outputs break the output rule, see
-                :class:`StepOutputError`, its cause); no graph of this pool is kept, and :meth:`run` raises
-                until a capture succeeds.
+                :class:`StepOutputError`, its cause); no graph of the modes being captured is kept (without
+                ``modes``: none of this pool), and their steps raise until a capture of them succeeds.
+            ValueError: ``modes`` is empty, or a later capture passes another ``step_fn``, ``prepare`` or
+                ``outputs`` than the graphs this pool keeps.
             ConcurrentUseError: another thread is inside this pool.
         """
         OutputLayout.check_declaration(outputs)
+        names = None if modes is None else {self._keys.mode(m).name for m in modes}
+        if names is not None and not names:
+            raise ValueError("capture(modes=...) names no mode: pass the modes to capture, or modes=None for all")
         if not self._busy.acquire(False):
             raise ConcurrentUseError(CONCURRENT_USE)
         try:
-            self._release()
+            kept = self._kept_entries(names, step_fn, prepare, outputs)
+            if not kept:
+                self._release()
             try:
                 entries = capture_all(self._keys, self.buffers, step_fn, prepare, outputs, warmup, self.backend,
-                                      self._stager, progress, self._fresh)
+                                      self._stager, progress, self._fresh, modes=names)
             except CaptureError as exc:
-                self._release()
+                if not kept:
+                    self._release()
+                self._install(kept)
                 self._router.failure = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
                 raise
-            self._step_fn, self._prepare, self._outputs, self._entries = step_fn, prepare, outputs, entries
-            self.stats.keys = {key: entries[key].stats for key in self._keys.keys}
-            self._router.build(entries, self._rules)
+            self._step_fn, self._prepare, self._outputs = step_fn, prepare, outputs
+            self._install({**kept, **entries})
         finally:
             self._busy.release()
+
+    def _kept_entries(self, names: set[str] | None, step_fn: StepFn, prepare: PrepareFn | None,
+                      outputs: OutputRules) -> dict[GraphKey, Entry]:
+        """The graphs a capture of ``names`` keeps (those of every other mode; none for a capture of all)."""
+        kept = {k: e for k, e in self._entries.items() if names is not None and k.mode not in names}
+        if kept and (step_fn, prepare, outputs) != (self._step_fn, self._prepare, self._outputs):
+            raise ValueError(f"capture(modes={sorted(names)}) passes another step_fn, prepare or outputs than the "
+                             f"graphs this pool keeps of {sorted({k.mode for k in kept})}: one step function serves "
+                             f"every mode of a pool; pass the same ones, or capture every mode anew (modes=None)")
+        return kept
+
+    def _install(self, entries: dict[GraphKey, Entry]) -> None:
+        """Route steps to ``entries`` (the modes whose graphs they all hold) and count their stats."""
+        self._entries = entries
+        self.stats.keys = {key: entries[key].stats for key in self._keys.keys if key in entries}
+        self._router.build(entries, self._rules)
 
     def close(self) -> None:
         """Wait for queued steps, then free every graph and drop the inputs the pool held for them (the
@@ -392,7 +424,7 @@ class GraphPool:
             UnknownModeError: ``mode`` is not one of the pool's modes (before a capture too).
         """
         route = self.route(mode, real_bs)
-        return bool(self._router.plans) and route is not None
+        return route is not None and self._keys.mode(mode).name in self._router.plans
 
     def route(self, mode: str | Mode, real_bs: int) -> int | None:
         """Padded batch size of the graph that would serve the step, ``None`` for a miss."""

@@ -30,9 +30,13 @@ class Router:
         self.failure: str | None = None   # why the last capture failed, if it did
 
     def build(self, entries: Mapping[GraphKey, Entry], rules: InputRules) -> None:
-        """Tables for every mode, from freshly captured entries."""
+        """Tables for every mode whose graphs are all in ``entries`` (a pool may capture its modes one at a time:
+        a mode not captured yet keeps no table)."""
         keys = self.keys
+        self.plans = {}
         for name, mode in keys.modes.items():
+            if any(GraphKey(name, bs) not in entries for bs in keys.sizes[name]):
+                continue
             sizes = range(1, keys.max_bs[name] + 1)
             serving = [entries[GraphKey(name, keys.route(name, real_bs))] for real_bs in sizes]
             self.plans[name] = (mode, [()] + [rules.shapes(mode, real_bs) for real_bs in sizes],
@@ -53,8 +57,8 @@ class Router:
         """Raise why ``mode`` has no table: an unknown name, a failed capture, or no capture yet."""
         self.keys.mode(mode)  # raises UnknownModeError (with "did you mean") for a bad name
         if self.failure is not None:
-            raise CaptureError(f"this pool's last capture failed ({self.failure}); it holds no graphs. "
-                               f"Fix the cause and call pool.capture(step_fn) again before running steps")
+            raise CaptureError(f"this pool's last capture failed ({self.failure}); it holds no graphs of mode "
+                               f"{mode!r}. Fix the cause and call pool.capture(step_fn) again before running steps")
         raise NotCapturedError(f"mode {mode!r} has no graphs yet: call pool.capture(step_fn) before pool.run")
 
     def miss(self, mode: Mode, real_bs: int, inputs: Mapping[str, torch.Tensor]) -> Step:

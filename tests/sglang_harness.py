@@ -137,8 +137,12 @@ class TorchPagedAttention(AttentionBackend):
     with another mode than captured fails loudly.
     """
 
-    def __init__(self, cfg: HarnessConfig, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool):
+    def __init__(self, cfg: HarnessConfig, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+                 draft_tokens: Optional[int] = None):
         self.cfg, self.req_to_token_pool, self.kv_pool = cfg, req_to_token_pool, kv_pool
+        # The verify width its graphs are captured for (SGLang's backends read it when built: a speculation tier's
+        # backend is built for its tier's); an eager verify step carries its own (spec_info.draft_token_num).
+        self.draft_tokens = draft_tokens or cfg.draft_tokens
         self.forward_metadata: Optional[engine_attention.AttnMeta] = None
         self.graph_state_inits: List[Tuple[int, int]] = []
         self.graph_meta: Dict[Tuple[ForwardMode, int], engine_attention.AttnMeta] = {}
@@ -198,7 +202,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def _tree(self, mode: ForwardMode, bs: int, seq_lens, spec_info) -> torch.Tensor:
         """``[bs, T, T]`` visibility among the step's tokens; rows past the real batch see all (finite)."""
-        t = self.cfg.draft_tokens if mode.is_target_verify() else 1
+        t = (getattr(spec_info, "draft_token_num", None) or self.draft_tokens) if mode.is_target_verify() else 1
         tree = torch.ones((bs, t, t), dtype=torch.bool, device=seq_lens.device)
         if mode.is_target_verify() and spec_info is not None and spec_info.positions is not None:
             raw = spec_info.positions.shape[0] // t
@@ -219,7 +223,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info):
-        per_seq = {ForwardMode.DECODE: 1, ForwardMode.TARGET_VERIFY: self.cfg.draft_tokens}.get(forward_mode)
+        per_seq = {ForwardMode.DECODE: 1, ForwardMode.TARGET_VERIFY: self.draft_tokens}.get(forward_mode)
         if per_seq is None or num_tokens != bs * per_seq:
             raise ValueError(f"capture of {forward_mode.name} bs={bs} with {num_tokens} tokens: expected "
                              f"bs x {per_seq} tokens")
@@ -477,8 +481,9 @@ def attention_context(mr: HarnessModelRunner) -> Any:
 
 def verify_batch(mr: HarnessModelRunner, reqs: Requests, rows: List[int], drafts: torch.Tensor,
                  alloc: SlotAllocator) -> ForwardBatch:
-    """A TARGET_VERIFY step: per row the last committed token then ``drafts[i]`` (a chain)."""
-    dev, t = mr.device, mr.cfg.draft_tokens
+    """A TARGET_VERIFY step: per row the last committed token then ``drafts[i]`` (a chain of ``drafts.shape[1] + 1``
+    tokens)."""
+    dev, t = mr.device, drafts.shape[1] + 1
     n = len(rows)
     idx = torch.tensor(rows, dtype=torch.int64, device=dev)
     lens = torch.tensor([reqs.kv_len(r) for r in rows], dtype=torch.int64, device=dev)

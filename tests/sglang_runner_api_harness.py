@@ -29,12 +29,13 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 
 def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_backend: str = "full",
-            adaptive: bool = False) -> ServerArgs:
+            adaptive: bool = False, adaptive_config: Optional[str] = None) -> ServerArgs:
     """Publish a real ``ServerArgs`` for the stand-in server (unresolved: no model is loaded)."""
     spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=topk,
                 speculative_num_steps=cfg.draft_tokens - 1 if topk == 1 else 3,
-                speculative_num_draft_tokens=cfg.draft_tokens, speculative_adaptive=adaptive) if speculative else {}
-    args = ServerArgs(model_path="dummy", device="cpu", **spec)
+                speculative_num_draft_tokens=cfg.draft_tokens, speculative_adaptive=adaptive,
+                speculative_adaptive_config=adaptive_config) if speculative else {}
+    args = ServerArgs(model_path="dummy", device="cpu", page_size=1, **spec)  # page size: as SGLang resolves it
     config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
                              prefill=PhaseConfig(backend="disabled"))
     context = runtime_context.get_context()
@@ -104,6 +105,16 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
         self.lora_manager = None
         self.pp_group = SimpleNamespace(is_last_rank=True)
         self.model.shared_experts_config = None  # read by _forward_raw's model-context override
+
+    init_new_workspace = False  # read and restored by SGLang's build_adaptive_runtime_state
+
+    def _get_attention_backend(self, init_new_workspace: bool = False) -> H.TorchPagedAttention:
+        """A new attention backend, as SGLang builds one per speculation tier: for the verify width published now
+        (its tier's, while SGLang's build_adaptive_runtime_state overrides the published settings)."""
+        from graphpool.integrations.sglang.fields import setting
+
+        return H.TorchPagedAttention(self.cfg, self.req_to_token_pool, self.token_to_kv_pool,
+                                     draft_tokens=setting(self, "spec", ("speculative_num_draft_tokens",)))
 
     def _prepare_eager_forward_batch(self, forward_batch: ForwardBatch) -> None:
         """SGLang pads eager batches for DP / attention-TP gathers here: none in a single-process server."""

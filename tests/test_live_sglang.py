@@ -14,11 +14,15 @@ configuration's greedy outputs must equal its outputs token for token. Configura
 * ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.23: 0.5.17's own CPU attention reads one length per
   sequence for ``bs * topk`` draft queries and fails at topk > 1);
 * ``eagle3``: EAGLE3 topk 1 with the switch (c); on 0.5.23 with SGLang's ``--speculative-adaptive`` too, whose table
-  has step 0 from 3 running requests on: those steps are plain steps on graphpool's DECODE graphs with no draft
-  forward (e);
+  has 3, 2 and 0 draft steps at 1, 2 and 3+ running requests: the step-0 steps are plain steps on graphpool's DECODE
+  graphs with no draft forward (e), and the three states' target runners share graphpool's one pool: DECODE graphs
+  captured once (4a);
 * ``standalone``: STANDALONE with the target as its own draft (the same dummy weights): requests whose draft is right
   at every position when they run alone, caught up after plain steps, accept ``steps`` drafts at every verify step
   after the resume (d);
+* ``tiers``: graphpool's own tiers (``--graphpool-tiers``: 3, 2 and 1 draft steps by batch size, plain decode above),
+  STANDALONE at topk 4 (0.5.17: topk 1), which SGLang's adaptive mode refuses: waves that visit every tier in both
+  directions, each tier's verify steps accepting its most after every change and resume (4b);
 
 Each also checks: every request not aborted completes, ``/health`` after every wave, graphpool's replays by mode
 with no eager fallback, the switch's OFF/ON flips and catch-ups, and SGLang's own idle KV-leak check (strict: a leak
@@ -62,10 +66,13 @@ CONFIGS: Dict[str, Sequence[str]] = {
     "standalone": ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{target}", *SPEC,
                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1), *SWITCH),
 }
-#: --speculative-adaptive's table: 3 draft steps below 3 running requests, step 0 from 3 on (where the switch, off
-#: only above 4, still speculates: those plain steps are the adaptive step 0's).
-ADAPTIVE_TABLE = {"1": {"candidate_steps": [STEPS], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
-                  "3": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0}}
+#: --speculative-adaptive's table: 3 draft steps at 1 running request, 2 at 2, step 0 from 3 on (where the switch, off
+#: only above 4, still speculates: those plain steps are the adaptive step 0's). Three states, so three target runners,
+#: all over graphpool's one pool (4a).
+ADAPTIVE_TABLE = {str(bs): {"candidate_steps": [steps], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0}
+                  for bs, steps in ((1, STEPS), (2, STEPS - 1), (3, 0))}
+#: The verify graphs of each --speculative-adaptive state that speculates (steps s, s + 1 tokens, topk 1).
+ADAPTIVE_VERIFY = {f"TARGET_VERIFY_1x{s}:{s + 1}": s for s in (STEPS, STEPS - 1)}
 #: Why the live tier sends no structured-output request to SGLang 0.5.17: its xgrammar backend allocates the token
 #: bitmask with ``pin_memory=True``, which a CPU-only torch refuses, so SGLang's own server (the oracle too) dies on
 #: the first JSON-schema request ("pin_memory=True requires a CUDA or other accelerator backend"); 0.5.23 asks
@@ -80,6 +87,13 @@ def prompt(i: int) -> str:
     mostly predicts what the target does: see the STANDALONE test)."""
     words = 40 + i % 7
     return " ".join(CORPUS[(i * 5 + k) % len(CORPUS)] for k in range(words))
+
+
+def tier_candidates() -> List[Request]:
+    """4b's candidate requests: 300-word prompts (a STANDALONE draft, which never sees a sequence's first token, agrees
+    with the target more often the longer the context: about 9 in 16 at every position here, 1 in 16 at 45 words)."""
+    return [Request(" ".join(CORPUS[(i * 5 + k * 3) % len(CORPUS)] for k in range(300)), max_new_tokens=TIER_CUT)
+            for i in range(16)]
 
 
 def wave(start: int, n: int) -> List[Request]:
@@ -115,6 +129,7 @@ def oracle(work: Path) -> Dict[str, object]:
     with LiveServer.start([], work, name="oracle", graphpool=False) as server:
         ramp = [server.client.generate_many(w) for w in ramp_waves()]
         flat = server.client.generate_many(same_length_wave())
+        tiers = server.client.generate_many(tier_candidates())
         free = server.client.generate_many([Request(prompt(100 + j), max_new_tokens=24) for j in range(2)])
         tokenizer = AutoTokenizer.from_pretrained(str(models(work / "models")["target"]))
         special = special_requests(free, tokenizer)
@@ -123,7 +138,7 @@ def oracle(work: Path) -> Dict[str, object]:
     for request, answer in zip(special, answers):  # the stops do stop, mid-way
         if request.stop or request.stop_token_ids:
             assert answer.finish_reason["type"] == "stop" and len(answer.output_ids) < request.max_new_tokens, answer
-    return {"ramp": ramp, "flat": flat, "special": special, "special_out": answers}
+    return {"ramp": ramp, "flat": flat, "tiers": tiers, "special": special, "special_out": answers}
 
 
 def special_requests(free: List[Output], tokenizer: object) -> List[Request]:
@@ -150,7 +165,7 @@ def same_tokens(got: List[Output], want: List[Output], what: str) -> int:
 
 def check_log(log: ServerLog, *, modes: Sequence[str]) -> Dict[str, int]:
     assert not log.problems(), f"server log: {log.problems()[:3]}"
-    replays = log.replays()
+    replays = log.replays_by_forward_mode()
     for mode in modes:
         assert replays.get(mode, 0) > 0, f"no {mode} replay by graphpool's runner: {replays}"
     assert log.eager_fallbacks() == "none", f"eager fallbacks: {log.eager_fallbacks()}"
@@ -181,7 +196,8 @@ def run_ramp(server: LiveServer, oracle: Dict[str, object], special_at: int = -1
 def summary(name: str, server: LiveServer, counts: Dict[str, int], started: float, **more: object) -> None:
     log = server.log()
     print(f"\nlive {RELEASE} {name}: served {counts['served']}, identical {counts['identical']}, aborted "
-          f"{counts['aborted']}; replays {log.replays()}; eager fallbacks {log.eager_fallbacks()}; switch OFF "
+          f"{counts['aborted']}; replays {log.replays()}; captures {log.captures()}; eager fallbacks "
+          f"{log.eager_fallbacks()}; switch OFF "
           f"{log.flips('OFF')} ON {log.flips('ON')}; catch-ups {len(log.catch_ups())}; forwards {server.forwards()}; "
           + "".join(f"{k} {v}; " for k, v in more.items())
           + f"start {server.started_s:.0f} s, wall {time.monotonic() - started:.0f} s")
@@ -215,9 +231,14 @@ def test_eagle_topk4_switch(work, oracle):
 
 
 def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
-    """(c), and on 0.5.23 (e) on the same server: SGLang's ``--speculative-adaptive`` chooses 0 draft steps from 3
-    running requests on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool serves those steps as
-    plain steps on DECODE graphs, and the draft model runs no forward for them."""
+    """(c), and on 0.5.23 (e) and (4a) on the same server: SGLang's ``--speculative-adaptive`` chooses 3 draft steps at
+    1 running request, 2 at 2 and 0 from 3 on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool
+    serves step 0 as plain steps on DECODE graphs, and the draft model runs no forward for them (e). Its three states'
+    target runners are views of graphpool's one pool: the DECODE graphs captured once, each speculating state's verify
+    graphs once (4a; before, each state's runner captured DECODE and verify graphs of its own). 0.5.17 served the same
+    in two runs of three (tests/test_sglang_tiers.py checks its one pool against SGLang's own classes); in the third,
+    the ramp's 8-request wave never ran more than 4 requests at once (its prefills came apart while the other release's
+    servers ran beside it), so the switch did not flip 3 times: 0.5.17 keeps the switch alone here."""
     started = time.monotonic()
     args = CONFIGS["eagle3"]
     if NEWER:
@@ -228,25 +249,38 @@ def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
         counts = run_ramp(server, oracle)
         more: Dict[str, object] = {}
         if NEWER:
-            before = server.forwards()  # every decode step of this wave runs at 4 requests: step 0
-            counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "at step 0")
-            counts["identical"] = counts["served"]
-            after = server.forwards()
-            server.check_health()
-            grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            # A verify step (3 draft steps, topk 1) costs 2 draft decodes and 1 draft extend; a prefill or a catch-up
-            # a draft EXTEND. Any other draft forward would be a step 0's: there must be none.
-            verify, decode = grew.get("target TARGET_VERIFY", 0), grew.get("target DECODE", 0)
-            draft = {k: v for k, v in grew.items() if k.startswith("draft") and k != "draft EXTEND"}
-            assert draft.get("draft DECODE", 0) == (STEPS - 1) * verify and sum(draft.values()) == STEPS * verify, \
-                f"draft forwards at adaptive step 0: {draft} for {verify} verify steps"
-            assert decode >= 8, f"{decode} of the wave's steps were adaptive step 0's plain steps: {grew}"
-            more = {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
-                    "verify steps (at < 3 running)": verify}
+            more = adaptive_step0_and_one_pool(server, oracle, counts)
         log = server.log()
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
         assert log.flips("OFF") >= 3 and log.catch_ups()
-        summary("eagle3 (c" + (", e)" if NEWER else ")"), server, counts, started, **more)
+        summary("eagle3 (c" + (", e, 4a)" if NEWER else ")"), server, counts, started, **more)
+
+
+def adaptive_step0_and_one_pool(server: LiveServer, oracle: Dict[str, object], counts: Dict[str, int]) -> Dict[str, object]:
+    """(e) and (4a) of the EAGLE3 server under --speculative-adaptive (see its test); returns what the summary says."""
+    before, verified = server.forwards(), server.log().replays()  # this wave decodes at 4 requests: step 0
+    counts["served"] += same_tokens(server.client.generate_many(same_length_wave()), oracle["flat"], "at step 0")
+    counts["identical"] = counts["served"]
+    after, replays = server.forwards(), server.log().replays()
+    server.check_health()
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    # A verify step of s draft steps (topk 1) costs s - 1 draft decodes and 1 draft extend; a prefill or a catch-up a
+    # draft EXTEND. Any other draft forward would be a step 0's: there must be none.
+    verify = {s: replays.get(m, 0) - verified.get(m, 0) for m, s in ADAPTIVE_VERIFY.items()}
+    decode = grew.get("target DECODE", 0)
+    draft = {k: v for k, v in grew.items() if k.startswith("draft") and k != "draft EXTEND"}
+    assert sum(verify.values()) == grew.get("target TARGET_VERIFY", 0), (verify, grew)
+    assert draft.get("draft DECODE", 0) == sum((s - 1) * n for s, n in verify.items()) and \
+        sum(draft.values()) == sum(s * n for s, n in verify.items()), \
+        f"draft forwards at adaptive step 0: {draft} for verify steps {verify} (by draft steps)"
+    assert decode >= 8, f"{decode} of the wave's steps were adaptive step 0's plain steps: {grew}"
+    # (4a) three adaptive states, one pool: DECODE captured once, each speculating state's verify graphs once
+    log = server.log()
+    captures = log.captures()
+    assert captures == {"DECODE": 1, **dict.fromkeys(ADAPTIVE_VERIFY, 1)}, captures
+    assert all(log.replays().get(m, 0) > 0 for m in ADAPTIVE_VERIFY), log.replays()
+    return {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
+            "verify steps by draft steps (at < 3 running)": verify, "captures of the 3 adaptive states (4a)": captures}
 
 
 def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracle):
@@ -297,6 +331,72 @@ def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracl
         summary("standalone (d)", server, counts, started,
                 **{"requests clean alone": f"{len(clean)} of {len(requests)}", "caught up and checked": resumed,
                    f"their verify steps after resume, all accepting {STEPS} (length {STEPS + 1})": verify_steps})
+
+
+#: graphpool's tiers (4b), STANDALONE: the server's own shape first (3 steps of topk 4, 8 tokens), then 2 and 1 steps,
+#: plain decode above 4 running requests (back at <= 3). SGLang 0.5.17 runs the same step counts as chains (topk 1): its
+#: own CPU attention fails at topk > 1 (see test_eagle_topk4_switch).
+TIERS = "4x3:8@1,4x2:6@2,4x1:4@4/3" if NEWER else "1x3:4@1,1x2:3@2,1x1:2@4/3"
+TIERS_TOPK = 4 if NEWER else 1
+#: Each tier's most tokens committed per request and verify step (steps + 1: every tier's tree reaches its depth).
+TIER_MOST = {tier.split("@")[0]: int(tier.split("x")[1].split(":")[0]) + 1 for tier in TIERS.split(",")}
+#: The waves of 4b (running requests at their start), each shrinking one request at a time: 5 visits plain decode, the
+#: hysteresis at 4, the resume at 3 (a catch-up) and every speculative tier up to the longest; 2 and 3 start from the
+#: longest tier (where the wave before ended) and change to shorter ones first.
+TIER_WAVES = (5, 2, 3)
+#: The longest request of each wave of 4b (the others 3, 6, ... tokens shorter; the shortest of 5 is 8 tokens long, so
+#: the wave still reaches 5 running requests where SGLang prefills one request apart and decodes it a step first).
+TIER_CUT = 20
+
+
+def test_standalone_tiers_at_topk_4_accept_their_most_after_every_change(work, oracle):
+    """(4b): graphpool's tiers (``--graphpool-tiers``) at topk 4, which SGLang's own ``--speculative-adaptive`` refuses,
+    with STANDALONE (the target as its own draft): every verify step of a request whose draft is right at every
+    position commits its tier's most (steps + 1 tokens), the first step after each tier change included, and the
+    first after plain steps (a catch-up) too. So the draft's state survives every change: the exact check.
+
+    As in (d), the candidates (:func:`tier_candidates`) first run alone (the longest tier, 1 running) to find those
+    whose draft is right at every position (every verify step accepts all 3 drafts); the waves use only such ones, cut
+    to staggered lengths (greedy: their outputs are the oracle's, cut). The logit scale of the test weights
+    (``tests/live/cpu_plugin.py``) keeps each draft's greedy chain in its tree at every depth."""
+    started = time.monotonic()
+    requests, want = tier_candidates(), oracle["tiers"]
+    args = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{target}", *SPEC,
+            "--speculative-eagle-topk", str(TIERS_TOPK), "--speculative-num-draft-tokens", TIERS.split(":")[1].split("@")[0],
+            "--disable-radix-cache", "--graphpool-tiers", TIERS)
+    with LiveServer.start(args, work, name="tiers") as server:
+        alone = server.client.generate_many(requests, concurrency=1)
+        counts = {"served": same_tokens(alone, want, "alone"), "aborted": 0}
+        clean = [i for i in range(len(requests)) if not any(accepted(alone[i])[:STEPS])]
+        assert len(clean) >= 3, f"{len(clean)} of {len(requests)} requests clean alone"
+        before = len(server.log_text())
+        for n in TIER_WAVES:
+            # Each request a wave (a clean one may come twice: two requests, each with its own KV), the shortest first:
+            # the batch shrinks one at a time, by 3 tokens, a verify step or more of each tier.
+            picked = [clean[k % len(clean)] for k in range(n)]
+            cuts = [TIER_CUT - 3 * (n - 1 - k) for k in range(n)]
+            outs = server.client.generate_many([dataclasses.replace(requests[i], max_new_tokens=c)
+                                                for i, c in zip(picked, cuts)])
+            counts["served"] += same_tokens(outs, [dataclasses.replace(want[i], output_ids=want[i].output_ids[:c])
+                                                   for i, c in zip(picked, cuts)], f"wave of {n}")
+            server.check_health()
+        counts["identical"] = counts["served"]
+        log, waves = server.log(), ServerLog(server.log_text()[before:])
+        check_log(log, modes=("DECODE", "TARGET_VERIFY"))
+        changes, firsts, steps = waves.tier_changes(), waves.tier_first_verifies(), log.tier_steps()
+        entered = {b for _, b, _ in changes}
+        assert entered == {*TIER_MOST, "decode"}, f"tiers entered: {changes}"
+        assert all(mean == most == TIER_MOST[t] for t, mean, most in firsts) and len(firsts) == len(changes) - \
+            sum(b == "decode" for _, b, _ in changes), f"first verify steps after the changes {changes}: {firsts}"
+        waves_steps = {t: (most - alone_most, all_ - alone_all) for t, (most, all_) in steps.items()
+                       for alone_most, alone_all in [ServerLog(server.log_text()[:before]).tier_steps().get(t, (0, 0))]}
+        assert all(most == all_ > 0 for most, all_ in waves_steps.values()), f"verify steps at their most: {waves_steps}"
+        assert waves.catch_ups() and log.captures() == {"DECODE": 1, **{f"TARGET_VERIFY_{t}": 1 for t in TIER_MOST}}, \
+            (waves.catch_ups(), log.captures())
+        summary("standalone tiers (4b)", server, counts, started, **{
+            "requests clean alone": f"{len(clean)} of {len(requests)}", "tier changes": changes,
+            "first verify after each change (tier, committed, most)": firsts,
+            "verify steps at their most/all in the waves": waves_steps, "catch-ups (requests)": waves.catch_ups()})
 
 
 def accepted(output: Output) -> List[int]:

@@ -227,6 +227,52 @@ def test_run_before_capture_and_failed_capture(device):
     check_step(pool, step, device, "decode", 2, rng)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_modes_captured_one_at_a_time_share_the_buffers_and_keep_the_earlier_graphs(device):
+    """A server builds one speculation tier after another (SGLang's runner per tier): each tier's graphs are captured
+    into the pool when it comes, the graphs already there stay (not captured again), and every mode still serves
+    steps equal to the eager step."""
+    modes = [gp.Mode("decode", 1), gp.Mode("verify_8", 8, batch_sizes=(1, 2)), gp.Mode("verify_4", 4)]
+    pool = gp.GraphPool(modes, make_inputs(), [1, 2, 4], device=device)
+    whole = gp.GraphPool(modes, make_inputs(), [1, 2, 4], device=device)
+    assert pool.stats.buffer_bytes == whole.stats.buffer_bytes  # sized for every mode at construction
+    rng = random.Random(0)
+    step = ToyStep(device)
+    broken = set()
+
+    def tiers(batch: gp.StepBatch):
+        if batch.mode.name in broken:
+            raise RuntimeError("no kernel for this tier")
+        return step(batch)
+
+    pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=["decode", "verify_8"])
+    assert pool.can_run("verify_8", 2) and not pool.can_run("verify_4", 1)
+    with pytest.raises(gp.NotCapturedError, match="mode 'verify_4' has no graphs yet"):
+        pool.run("verify_4", **random_step(pool.modes["verify_4"], 1, device, rng))
+    check_step(pool, step, device, "verify_8", 2, rng)
+    with pytest.raises(ValueError, match="passes another step_fn"):
+        pool.capture(step, progress=False, outputs=TOY_OUTPUTS, modes=["verify_4"])
+    broken.add("verify_4")
+    with pytest.raises(gp.CaptureError, match=r"No graph of mode\(s\) decode, verify_4 was kept \(the pool's other"):
+        pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=["decode", "verify_4"])
+    assert pool.can_run("verify_8", 1) and not pool.can_run("decode", 1), "a failed capture of decode kept decode"
+    with pytest.raises(gp.CaptureError, match="last capture failed .* no graphs of mode 'decode'"):
+        pool.run("decode", **random_step(pool.modes["decode"], 1, device, rng))
+    broken.clear()
+    pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=["decode"])
+    pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=[pool.modes["verify_4"]])
+    assert sorted(pool.stats.keys) == sorted(whole.graph_keys)
+    verify_8, verify_4 = pool.graph("verify_8", 1), pool.graph("verify_4", 1)
+    pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=["verify_4"])  # again: verify_8 stays as it was
+    verify_8.replay()  # the handle of a kept graph stays valid; one of a recaptured mode's graph does not
+    with pytest.raises(gp.NotCapturedError, match="freed by close"):
+        verify_4.replay()
+    for mode_name, bs in (("verify_4", 3), ("decode", 4), ("verify_8", 1), ("verify_4", 1), ("decode", 1)):
+        check_step(pool, step, device, mode_name, bs, rng)
+    with pytest.raises(ValueError, match="names no mode"):
+        pool.capture(tiers, progress=False, outputs=TOY_OUTPUTS, modes=[])
+
+
 def test_capture_order_and_routing_table():
     pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 16, batch_sizes=(1, 2, 8))], make_inputs(),
                         [1, 4, 64], device="cpu")

@@ -175,3 +175,18 @@ def test_the_switch_refuses_a_classic_sglang_it_was_not_written_for(monkeypatch)
     monkeypatch.undo()
     eagle_v1_plain.release.cache_clear()  # this SGLang's own release again, for the tests after this one
     assert switch_support_problem() is None
+
+
+def test_tiers_are_refused_on_the_classic_api_before_anything_is_patched():
+    """--graphpool-tiers swaps the states of SGLang's spec-v2 worker (0.5.14+): on a classic SGLang the launcher's
+    check and the scheduler entry's apply() both refuse it, naming the releases, with nothing patched."""
+    from types import SimpleNamespace
+
+    from graphpool.integrations.sglang.tier_table import TierTable
+
+    options, _ = split_args(["--graphpool-tiers", "4x3:16@2,4x1:4@8"])
+    assert options.tiers == TierTable.parse("4x3:16@2,4x1:4@8")
+    for refuse in (lambda: check_server_args(options, SimpleNamespace()), options.apply):
+        with pytest.raises(SystemExit, match="SGLang 0.5.14 to 0.5.23"):
+            refuse()
+    assert not gp_sglang.installed()

@@ -43,7 +43,13 @@ def pool_mode(forward_mode: ForwardMode, captured: Dict[ForwardMode, int]) -> st
 
 def forward_mode_of(batch: StepBatch) -> ForwardMode:
     """SGLang's forward mode of a pool step (pool mode names are the lower-case enum names)."""
-    return ForwardMode[batch.mode.name.upper()]
+    return forward_mode_of_name(batch.mode.name)
+
+
+def forward_mode_of_name(name: str) -> ForwardMode:
+    """SGLang's forward mode of a pool mode: its lower-case enum name, a speculation tier's verify mode
+    (``target_verify_<tier>``) included."""
+    return ForwardMode.TARGET_VERIFY if name.startswith("target_verify") else ForwardMode[name.upper()]
 
 
 def is_speculative(spec: Any) -> bool:

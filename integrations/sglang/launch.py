@@ -11,6 +11,12 @@ Takes SGLang's ``launch_server`` arguments unchanged, plus graphpool's:
 ``--graphpool-spec-min-accept A``
     classic API: also decode plainly while verify steps commit fewer than A tokens per sequence (a draft
     below break-even loses at every batch size); the switch probes again after 256 decode steps.
+``--graphpool-tiers TABLE``
+    speculation tiers (runner API, 0.5.14+; EAGLE, EAGLE3, STANDALONE at any topk): the draft shape of each decode
+    step chosen by batch size, plain decode above the last bound. ``TABLE`` is ``TOPKxSTEPS:TOKENS@OFF_ABOVE[/ON]``
+    per speculative tier, longest draft first, e.g. ``4x3:16@2,4x2:8@8/6,4x1:4@16/12``; the first tier is the
+    server's own ``--speculative-eagle-topk``, ``--speculative-num-steps`` and ``--speculative-num-draft-tokens``
+    (:mod:`.tier_table` has the rules; docs/sglang/tiers.md the mechanism).
 ``--graphpool-keep-sglang-runner``
     for tests and benchmarks only: install the switch but keep SGLang's own ``CudaGraphRunner``, which
     has TARGET_VERIFY graphs only, so the first plain step fails ("The size of tensor a (...) must
@@ -32,6 +38,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
+from .tier_table import TierTable
+
 log = logging.getLogger(__name__)
 
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler:run_scheduler_process"
@@ -43,7 +51,17 @@ HELP = """graphpool's options (all other arguments go to SGLang's launch_server,
   --graphpool-spec-min-accept A      classic API (EAGLE v1) only: also decode plainly while verify steps
                                      commit < A tokens per sequence (the draft's break-even); probes again
                                      after 256 decode steps
+  --graphpool-tiers TABLE            speculation tiers by batch size (0.5.14+, any topk), plain decode above
+                                     the last bound: TOPKxSTEPS:TOKENS@OFF_ABOVE[/ON_AT_OR_BELOW] per tier,
+                                     longest draft first, e.g. 4x3:16@2,4x2:8@8/6,4x1:4@16/12; the first
+                                     tier is the server's own --speculative-eagle-topk, --speculative-num-steps
+                                     and --speculative-num-draft-tokens
 """
+
+#: Why --graphpool-tiers is refused on the classic API.
+TIERS_NEED_RUNNER_API = ("--graphpool-tiers swaps the tier states of SGLang's spec-v2 worker, which SGLang 0.5.14 and "
+                         "later run; this SGLang has the classic API: use SGLang 0.5.14 to 0.5.23, or "
+                         "--graphpool-spec-off-above for on/off speculation")
 
 #: Why --graphpool-spec-min-accept is refused on the runner API (the launcher's check and apply() say it).
 MIN_ACCEPT_NEEDS_CLASSIC = ("--graphpool-spec-min-accept drives the classic API's EAGLE v1 switch; this SGLang has "
@@ -61,6 +79,8 @@ class GraphpoolOptions:
     adaptive_step0: bool = False
     #: also decode plainly while verify steps commit fewer tokens per sequence than this (classic API)
     spec_min_accept: Optional[float] = None
+    #: graphpool's speculation tiers (runner API only)
+    tiers: Optional[TierTable] = None
 
     def apply(self) -> None:
         """Install the runner patch (and the speculation switch, if asked for) in this process."""
@@ -69,13 +89,19 @@ class GraphpoolOptions:
         runner_api = versions.runner_api() == versions.RUNNER
         if runner_api and self.spec_min_accept is not None:  # refused before anything is patched
             raise SystemExit(MIN_ACCEPT_NEEDS_CLASSIC)
+        if self.tiers is not None and not runner_api:
+            raise SystemExit(TIERS_NEED_RUNNER_API)
         if not self.keep_sglang_runner:
             from .patch import install
 
             install()
-        # --- runner API (SGLang 0.5.14+): the spec-v2 switch (issue 13) ---
+        # --- runner API (SGLang 0.5.14+): the tiers (issue 38), or the spec-v2 switch (issue 13) ---
         if runner_api:
-            if self.spec_off_above is not None or self.adaptive_step0:
+            if self.tiers is not None:
+                from .spec_tiers import install_speculation_tiers
+
+                install_speculation_tiers(self.tiers)
+            elif self.spec_off_above is not None or self.adaptive_step0:
                 from .spec_switch_v2 import install_speculation_switch as install_v2
 
                 install_v2(self.spec_off_above, self.spec_on_at_or_below)
@@ -108,7 +134,22 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     parser.add_argument("--graphpool-spec-on-at-or-below", type=int, default=None)
     parser.add_argument("--graphpool-keep-sglang-runner", action="store_true")
     parser.add_argument("--graphpool-spec-min-accept", type=float, default=None)
+    parser.add_argument("--graphpool-tiers", default=None)
     ours, rest = parser.parse_known_args(list(argv))
+    tiers = None
+    if ours.graphpool_tiers is not None:
+        try:
+            tiers = TierTable.parse(ours.graphpool_tiers)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        others = [flag for flag, value in (("--graphpool-spec-off-above", ours.graphpool_spec_off_above),
+                                           ("--graphpool-spec-on-at-or-below", ours.graphpool_spec_on_at_or_below),
+                                           ("--graphpool-spec-min-accept", ours.graphpool_spec_min_accept),
+                                           ("--graphpool-keep-sglang-runner", ours.graphpool_keep_sglang_runner or None))
+                  if value is not None]
+        if others:
+            raise SystemExit(f"--graphpool-tiers chooses every step's draft itself (plain decode above its last "
+                             f"bound), so it takes no {', '.join(others)}: drop {'it' if len(others) == 1 else 'them'}")
     accept = ours.graphpool_spec_min_accept
     off, on = ours.graphpool_spec_off_above, ours.graphpool_spec_on_at_or_below
     if ours.graphpool_keep_sglang_runner and off is None:
@@ -124,7 +165,7 @@ def split_args(argv: Sequence[str]) -> Tuple[GraphpoolOptions, List[str]]:
     if accept is not None and (off is None or not 1.0 < accept < math.inf):
         raise SystemExit(f"--graphpool-spec-min-accept needs --graphpool-spec-off-above and a finite value > 1 "
                          f"(tokens a verify step commits per sequence, at least 1 always), got {accept}")
-    return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner, spec_min_accept=accept), rest
+    return GraphpoolOptions(off, on, ours.graphpool_keep_sglang_runner, spec_min_accept=accept, tiers=tiers), rest
 
 
 def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
@@ -132,6 +173,9 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     resolved them (:func:`~.support.resolved_arg`): :func:`main` resolves ``server_args`` first (0.5.23)."""
     from .support import resolved_arg, server_args_refusals, switch_refusals
 
+    if options.tiers is not None:
+        check_tiers(options.tiers, server_args)
+        return
     switch = "--graphpool-spec-off-above" if options.spec_off_above is not None else (
         "--speculative-adaptive with graphpool (its step 0 as plain steps)" if options.adaptive_step0 else None)
     if switch is None:
@@ -170,6 +214,34 @@ def check_server_args(options: GraphpoolOptions, server_args: Any) -> None:
     if not server_args.disable_overlap_schedule:
         raise SystemExit("--graphpool-spec-off-above drives SGLang's EAGLE v1 worker, which SGLang uses only "
                          "without the overlap scheduler; add --disable-overlap-schedule")
+
+
+def check_tiers(tiers: TierTable, server_args: Any) -> None:
+    """Refuse, before SGLang loads anything, a server that ``--graphpool-tiers`` cannot serve: the classic API,
+    SGLang's own ``--speculative-adaptive`` (a second chooser of the step's draft), a worker the tiers do not drive, a
+    setup graphpool's runner does not serve (the plain steps and the tiers' one pool are its), and speculation
+    settings other than the first tier's. Reads the settings as SGLang resolved them."""
+    from . import versions
+    from .support import resolved_arg, server_args_refusals, switch_refusals
+
+    if versions.runner_api() != versions.RUNNER:
+        raise SystemExit(TIERS_NEED_RUNNER_API)
+    # The raw flag too: SGLang resolves it off where its adaptive mode refuses (topk > 1, STANDALONE) with a warning.
+    if resolved_arg(server_args, "speculative_adaptive", False) or getattr(server_args, "speculative_adaptive", False):
+        raise SystemExit("--graphpool-tiers chooses each step's draft shape itself; SGLang's --speculative-adaptive "
+                         "would choose another (its own step count by batch size and acceptance): drop "
+                         "--speculative-adaptive (the tiers cover its step counts, at any topk)")
+    refused = switch_refusals(server_args) + server_args_refusals(server_args)
+    if refused:
+        raise SystemExit(f"--graphpool-tiers runs on SGLang's EAGLEWorkerV2 with graphpool's runner, which this server "
+                         f"cannot have: {', '.join(f'{flag} ({what})' for flag, what in refused)}; drop those or "
+                         f"--graphpool-tiers")
+    problems = tiers.server_problems(
+        str(resolved_arg(server_args, "speculative_algorithm") or "").upper(),
+        resolved_arg(server_args, "speculative_eagle_topk"), resolved_arg(server_args, "speculative_num_steps"),
+        resolved_arg(server_args, "speculative_num_draft_tokens"))
+    if problems:
+        raise SystemExit(f"--graphpool-tiers {tiers}: " + "; ".join(problems))
 
 
 def sglang_missing_message(exc: ImportError) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Dict, MutableMapping, Optional
+from typing import Any, Dict, MutableMapping, Optional, Union
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -33,7 +33,7 @@ class ReplayLog:
         if every < 1:
             raise ValueError(f"ReplayLog: every must be >= 1 replay, got {every}")
         self.refusals, self.every = refusals, every
-        self.counts: Dict[ForwardMode, int] = {}
+        self.counts: Dict[Union[ForwardMode, str], int] = {}
         self.total = 0
         self._last_refused: Optional[weakref.ref] = None
 
@@ -49,8 +49,9 @@ class ReplayLog:
             log.warning("graphpool: a %s step runs eagerly (%s); counted in the periodic replay log line",
                         forward_batch.forward_mode.name, reason)
 
-    def count(self, mode: ForwardMode) -> None:
-        """One replay of ``mode``; logs at the mode's first replay and every ``every`` replays."""
+    def count(self, mode: Union[ForwardMode, str]) -> None:
+        """One replay of ``mode`` (a forward mode, or the label of a speculation tier's verify graphs, e.g.
+        ``TARGET_VERIFY_4x3:8``); logs at the mode's first replay and every ``every`` replays."""
         n = self.counts[mode] = self.counts.get(mode, 0) + 1
         self.total += 1
         if n == 1 or self.total % self.every == 0:
@@ -58,6 +59,7 @@ class ReplayLog:
 
     def line(self) -> str:
         """The log line: replays by mode, then eager fallbacks by reason."""
-        modes = " ".join(f"{m.name}={n}" for m, n in sorted(self.counts.items(), key=lambda kv: kv[0].name))
+        named = sorted((getattr(m, "name", m), n) for m, n in self.counts.items())
+        modes = " ".join(f"{m}={n}" for m, n in named)
         fallbacks = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.refusals.items())) or "none"
         return f"graphpool replays by mode: {modes or 'none'}; eager fallbacks: {fallbacks}"

@@ -15,6 +15,10 @@ shared with the classic adapter (:mod:`.common`); this module is the runner-API 
 * ``--cuda-graph-config`` decode backend ``full`` is served; ``breakable`` and ``tc_piecewise`` are
   refused with the reason (:mod:`.runner_api_support`).
 
+The graphs live in a :class:`~.target_graphs.TargetGraphs`, which the runners SGLang builds per speculation tier
+share (the factory of :mod:`.patch_runner_api` hands each the target model's one pool): each runner is then a view,
+DECODE steps on the shared DECODE graphs, TARGET_VERIFY steps on its own tier's.
+
 .. warning:: graph outputs are views into graph memory, overwritten by the next replay (as in SGLang).
 """
 from __future__ import annotations
@@ -25,27 +29,18 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from graphpool import Step, StepBatch
-from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_is_extend_in_batch
+from graphpool import Step
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.model_executor import forward_batch_info
-from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
-                                                          PPProxyTensors)
-from sglang.srt.model_executor.runner_utils import pool as sglang_pool
-from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode, PPProxyTensors
 
-from . import attn_hooks, common, tp
-from .replay_log import ReplayLog
+from . import attn_hooks, common
 from .runner_api_support import (decode_batch_sizes, disable_padding, publish_read_done, read_done_point,
-                                 refusal_reasons, server_hidden_mode, spec_settings)
-
+                                 refusal_reasons, spec_settings)
+from .target_graphs import DECODE, SLICED_OUTPUTS, TargetGraphs, VerifyTier, shared_logits_buffer
 
 log = logging.getLogger(__name__)
 
-# Per-token tensor fields of the model's output a replay returns sliced; every other field of the captured
-# output is kept as captured, as SGLang's execute keeps "extension fields" (``dataclasses.replace``).
-_SLICED_OUTPUTS = tuple(name for name in ("next_token_logits", "hidden_states", "last_hidden_states")
-                        if name in {f.name for f in dataclasses.fields(LogitsProcessorOutput)})
+__all__ = ["MultiModeDecodeRunner", "shared_logits_buffer"]
 
 
 class MultiModeDecodeRunner:
@@ -57,6 +52,10 @@ class MultiModeDecodeRunner:
             SGLang's adaptive speculation passes one per step count.
         speculative_num_steps, speculative_num_draft_tokens: the speculation shape (default: the server's).
         record_nolora_graph: SGLang's LoRA variant switch; LoRA is not served, so True is refused.
+        graphs: the target model's shared pool (:class:`~.target_graphs.TargetGraphs`) this runner is a view of:
+            its DECODE graphs are captured once, by the first runner, and this runner's tier's TARGET_VERIFY graphs
+            when it is built (none where the pool plans no tier of this shape: its verify steps then run eagerly).
+            ``None``: a pool of this runner's own (DECODE and its TARGET_VERIFY graphs).
 
     Raises:
         ValueError: the server uses a feature or decode graph backend this runner does not serve (the
@@ -69,7 +68,8 @@ class MultiModeDecodeRunner:
     pool_backend = "auto"
 
     def __init__(self, model_runner: Any, *, attn_backend: Any = None, speculative_num_steps: Optional[int] = None,
-                 speculative_num_draft_tokens: Optional[int] = None, record_nolora_graph: bool = False):
+                 speculative_num_draft_tokens: Optional[int] = None, record_nolora_graph: bool = False,
+                 graphs: Optional[TargetGraphs] = None):
         reasons = refusal_reasons(model_runner, record_nolora_graph)
         if reasons:
             raise ValueError(f"MultiModeDecodeRunner does not support {'; '.join(reasons)}. Run this server with "
@@ -89,53 +89,91 @@ class MultiModeDecodeRunner:
 
         # SGLang's single capture mode ("primary"); DECODE graphs are captured besides it.
         self.capture_forward_mode = ForwardMode.TARGET_VERIFY if self.speculative else ForwardMode.DECODE
-        self.tokens_per_mode = common.tokens_per_mode(self.speculative, self.speculative_num_draft_tokens)
-        self.captured_req_width = self.num_tokens_per_bs = self.tokens_per_mode[self.capture_forward_mode]
-        self.capture_hidden_modes = common.initial_hidden_modes(spec, server_hidden_mode(model_runner))
-
-        self.capture_bs = decode_batch_sizes(model_runner, self.captured_req_width)
+        self.captured_req_width = self.num_tokens_per_bs = common.tokens_per_mode(
+            self.speculative, self.speculative_num_draft_tokens)[self.capture_forward_mode]
+        if graphs is None:
+            tier = VerifyTier(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
+            graphs = TargetGraphs(model_runner, [tier] if self.speculative else [],
+                                  decode_batch_sizes(model_runner, self.captured_req_width),
+                                  self.attn_backend.get_cuda_graph_seq_len_fill_value(), self.pool_backend)
+        self.shared = graphs
+        verify = graphs.verify_mode(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens) \
+            if self.speculative else None
+        #: The pool mode serving each forward mode this runner has graphs for.
+        self.pool_modes: Dict[ForwardMode, str] = {ForwardMode.DECODE: DECODE}
+        if verify is not None:
+            self.pool_modes[ForwardMode.TARGET_VERIFY] = verify
+        self.tokens_per_mode = {m: graphs.tokens[name] for m, name in self.pool_modes.items()}
+        self._sizes = {m: graphs.pool.batch_sizes[name] for m, name in self.pool_modes.items()}  # per step: no dict
+        # The first runner of a pool captures its DECODE graphs, with its own backend; each its tier's verify graphs.
+        graphs.capture(list(self.pool_modes.values()), self.attn_backend)
+        self.capture_bs = list(graphs.pool.batch_sizes[self.pool_modes.get(self.capture_forward_mode, DECODE)])
         self.max_bs = max(self.capture_bs)
-        self.max_num_token = self.max_bs * max(self.tokens_per_mode.values())
-        # Once, sized for the largest mode: backends reallocate buffers that captured graphs point at.
-        self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_num_token)
-        self.seq_len_fill_value = self.attn_backend.get_cuda_graph_seq_len_fill_value()
-
-        self.pool = common.build_pool(
-            self.tokens_per_mode, common.step_inputs(self.seq_len_fill_value, torch.int64), self.capture_bs,
-            self.device, self.pool_backend, common.graph_memory_pool(
-                self.device, sglang_pool.get_global_graph_memory_pool, sglang_pool.set_global_graph_memory_pool))
-        # Inputs the pool does not route: the CPU copy of seq_lens for attention planning, the dummy tree
-        # mask verify graphs are captured with, and the non-padded token count some models read.
-        self.seq_lens_cpu = torch.full((self.max_bs,), self.seq_len_fill_value, dtype=torch.int64)
-        self.custom_mask = torch.ones((self.max_bs * self.seq_len_fill_value + self.max_num_token)
-                                      * self.captured_req_width, dtype=torch.bool, device=self.device)
-        self.num_token_non_padded = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        self.logits_buffer = shared_logits_buffer(model_runner, self.max_num_token)
-        if self.logits_buffer is None:
-            self.logits_buffer = common.logits_buffer(model_runner, self.max_num_token, self.device)
+        self.seq_len_fill_value = graphs.seq_len_fill_value
+        self.graphs = graphs.graphs(list(self.pool_modes.values()))
         #: SGLang's graph backend slot: elastic EP's recapture calls ``backend.cleanup()`` before rebuilding.
         self.backend = _PoolBackend(self)
-
-        #: Eager fallbacks by reason (``can_run_graph`` refusals of a mode with graphs), and replays by mode,
-        #: both in one periodic log line.
-        self.refusals: Dict[str, int] = {}
-        self.replay_log = ReplayLog(self.refusals)
-        self.tp_check = tp.LazyAgreement(enabled=self.pool.debug)  # debug under TP > 1: ranks replay alike
-        self.graphs: Dict[common.GraphId, Any] = {}
-        self.output_buffers: Dict[common.GraphId, Any] = {}
-        self._captured_outputs: Dict[common.GraphId, LogitsProcessorOutput] = {}  # non-tensor fields, as captured
         self.bs = self.raw_bs = self.raw_num_token = 0
         self.forward_mode = self.capture_forward_mode  # mode of the last loaded step
-        self._step: Optional[Step] = None  # the step load_batch staged, for execute
-        self._capture_batches: Dict[common.GraphId, ForwardBatch] = {}
-        self._capturing = False
-        self.capture()
 
-    # ----------------------------------------------------------------------------------- set-up
+    # ----------------------------------------------------------------------------------- the shared pool
+    @property
+    def pool(self) -> Any:
+        """The :class:`~graphpool.GraphPool` (shared with the target model's other tiers' runners)."""
+        return self.shared.pool
+
+    @property
+    def refusals(self) -> Dict[str, int]:
+        """Eager fallbacks by reason (of every runner of the pool)."""
+        return self.shared.refusals
+
+    @property
+    def replay_log(self) -> Any:
+        return self.shared.replay_log
+
+    @property
+    def logits_buffer(self) -> Optional[torch.Tensor]:
+        return self.shared.logits_buffer
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor:
+        return self.shared.seq_lens_cpu
+
+    @property
+    def capture_hidden_modes(self) -> Dict[ForwardMode, CaptureHiddenMode]:
+        """Hidden-state capture mode of each forward mode this runner has graphs for."""
+        return {m: self.shared.hidden_modes[name] for m, name in self.pool_modes.items()}
+
     @property
     def capture_hidden_mode(self) -> CaptureHiddenMode:
         """Hidden-state capture mode of the primary mode (SGLang's single runner-wide value)."""
-        return self.capture_hidden_modes[self.capture_forward_mode]
+        return self.capture_hidden_modes.get(self.capture_forward_mode, CaptureHiddenMode.NULL)
+
+    @property
+    def output_buffers(self) -> Dict[common.GraphId, Any]:
+        return {(m, bs): out for (name, bs), out in self.shared.output_buffers.items()
+                for m, own in self.pool_modes.items() if own == name}
+
+    @property
+    def _capture_batches(self) -> Dict[common.GraphId, ForwardBatch]:
+        """(forward mode, bs) -> the ForwardBatch each of this runner's graphs was captured with."""
+        return {(m, bs): fb for (name, bs), fb in self.shared.capture_batches.items()
+                for m, own in self.pool_modes.items() if own == name}
+
+    @property
+    def _step(self) -> Optional[Step]:
+        return self.shared.step
+
+    def backend_of(self, mode: ForwardMode) -> Any:
+        """The attention backend a step of ``mode`` is planned with: the one its graphs were captured with."""
+        return self.shared.backends.get(self.pool_modes.get(mode), self.attn_backend)
+
+    def capture(self) -> None:
+        """Capture this runner's graphs again (SGLang's method name; the constructor captured them): its DECODE
+        graphs and its tier's TARGET_VERIFY graphs, each with the attention backend it was captured with; the other
+        tiers' graphs in the pool stay."""
+        self.shared.capture(list(self.pool_modes.values()), self.attn_backend, again=True)
+        self.graphs = self.shared.graphs(list(self.pool_modes.values()))
 
     @classmethod
     def decode_graph_gather_requirements(cls, model_runner: Any) -> tuple:
@@ -145,72 +183,6 @@ class MultiModeDecodeRunner:
         factory answers this question with SGLang's class anyway, as it may build SGLang's runner."""
         return (False, False)
 
-    def capture(self) -> None:
-        """Capture every (forward mode, batch size), largest token count first, into the shared pool."""
-        common.capture_graphs(self)
-
-    def _capture_context(self) -> Any:
-        from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id
-
-        return common.capture_context(self.device, self.pool.memory_pool, set_graph_pool_id, model_capture_mode)
-
-    def _prepare_capture(self, batch: StepBatch, real_bs: int) -> None:
-        """Pool hook, outside the graph. At capture: build the key's ForwardBatch and plan its attention
-        (first call), then the backend's post-warm-up hook (second call). At replay: nothing, because
-        :meth:`load_batch` plans attention itself (spec v2 calls it apart from :meth:`execute`)."""
-        if not self._capturing:
-            return
-        mode = common.forward_mode_of(batch)
-        graph_id = (mode, batch.bs)
-        if graph_id in self._capture_batches:
-            getattr(self.attn_backend, "on_after_cuda_graph_warmup", lambda: None)()
-            return
-        self.num_token_non_padded.fill_(batch.num_tokens)
-        spec_info = self._capture_spec_info(batch.num_tokens) if mode == ForwardMode.TARGET_VERIFY else None
-        hidden = self.capture_hidden_modes[mode]
-        if spec_info is not None and spec_info.capture_hidden_mode > hidden:
-            hidden = self.capture_hidden_modes[mode] = spec_info.capture_hidden_mode
-        fb = common.capture_forward_batch(
-            self.model_runner, self.attn_backend, batch, seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info,
-            capture_hidden_mode=hidden, num_token_non_padded=self._masked_token_count(), logits=self.logits_buffer,
-            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(), can_run_decode_cuda_graph=True)
-        self.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        self._capture_batches[graph_id] = fb
-
-    def _masked_token_count(self) -> Optional[torch.Tensor]:
-        """The non-padded token count graphs read where SGLang's do (expert parallelism, DP gather, custom
-        all-to-all MoE: its MoE layers mask padded rows); ``None`` elsewhere, as SGLang captures."""
-        try:
-            masked = forward_batch_info.enable_num_token_non_padded()
-        except (AssertionError, AttributeError, RuntimeError):  # no parallel state: a single-process tool
-            masked = False
-        return self.num_token_non_padded if masked else None
-
-    def _capture_spec_info(self, num_tokens: int) -> Any:
-        info = common.verify_capture_input(self.model_runner, self.custom_mask, num_steps=self.speculative_num_steps,
-                                           num_draft_tokens=self.speculative_num_draft_tokens, topk=self.topk)
-        mc = self.model_runner.model_config  # MTP models read spec_info.hidden_states in the forward
-        info.hidden_states = torch.zeros((num_tokens, mc.hidden_size), dtype=mc.dtype, device=self.device)
-        return info
-
-    #: What :meth:`_run_model` returns, each with one row per token (the pool's output rule).
-    output_names = _SLICED_OUTPUTS
-
-    def _run_model(self, batch: StepBatch) -> Dict[str, Optional[torch.Tensor]]:
-        """The pool's step function: in-graph attention metadata, then the model on the key's ForwardBatch."""
-        graph_id = (common.forward_mode_of(batch), batch.bs)
-        fb = self._capture_batches[graph_id]
-        with attn_hooks.forward_context_for(self.attn_backend, fb):
-            self.attn_backend.init_forward_metadata_in_graph(fb)
-            set_dp_buffer_len(None, batch.num_tokens, fb.dp_padding_mode.is_max_len())
-            set_is_extend_in_batch(False)
-            out = self.model_runner.model.forward(fb.input_ids, fb.positions, fb)
-        result = {name: getattr(out, name) for name in _SLICED_OUTPUTS}
-        if self._capturing:
-            self.output_buffers[graph_id] = result  # the last call of a key at capture is the captured one
-            self._captured_outputs[graph_id] = out
-        return result
-
     # ----------------------------------------------------------------------------------- steps
     def can_run_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether a graph serves this batch: its forward mode, size, token count and hidden mode. A ``False``
@@ -219,7 +191,7 @@ class MultiModeDecodeRunner:
         reason = self._refusal(forward_batch)
         if reason is None:
             return True
-        if forward_batch.forward_mode in self.tokens_per_mode:  # a step of a mode with graphs ran eagerly
+        if forward_batch.forward_mode in common.MODE_NAMES:  # a step of a mode graphpool serves ran eagerly
             self.replay_log.refused(forward_batch, reason)
         return False
 
@@ -229,17 +201,19 @@ class MultiModeDecodeRunner:
         tokens = self.tokens_per_mode.get(mode)
         name = getattr(mode, "name", mode)
         if tokens is None:
-            return f"no {name} graphs"
+            return f"no {name} graphs" + (f" of {self.topk}x{self.speculative_num_steps}:"
+                                          f"{self.speculative_num_draft_tokens}" if mode in common.MODE_NAMES else "")
         if forward_batch.replace_embeds is not None:
             return f"{name} with replaced embeddings"
-        if bs < 1 or not (bs in self.capture_bs if self.disable_padding else bs <= self.max_bs):
-            return f"{name} bs {bs} not captured" if self.disable_padding else f"{name} bs {bs} > {self.max_bs}"
+        sizes = self._sizes[mode]
+        if bs < 1 or not (bs in sizes if self.disable_padding else bs <= sizes[-1]):
+            return f"{name} bs {bs} not captured" if self.disable_padding else f"{name} bs {bs} > {sizes[-1]}"
         # The check a single-mode runner lacks: a step carries exactly bs x tokens_per_seq tokens of its mode.
         if forward_batch.input_ids is None or forward_batch.input_ids.shape[0] != bs * tokens:
             got = None if forward_batch.input_ids is None else forward_batch.input_ids.shape[0]
             return f"{name} with {got} tokens for {bs} x {tokens}"
         requested = common.requested_hidden_mode(forward_batch)
-        if not common.hidden_mode_served(requested, self.capture_hidden_modes[mode]):
+        if not common.hidden_mode_served(requested, self.shared.hidden_modes[self.pool_modes[mode]]):
             return f"{name} asking hidden states {requested.name}"
         return None
 
@@ -247,59 +221,56 @@ class MultiModeDecodeRunner:
         """Stage the batch into its mode's static buffers and plan attention; sets ``bs``, ``raw_bs``,
         ``raw_num_token``. A batch already loaded (``needs_forward_metadata_init()`` False: spec v2 loaded
         it on the plan stream) only has its inputs staged again, since the draft changed them."""
-        if not attn_hooks.needs_metadata(forward_batch) and self._step is not None:
-            self._step = self._stage(forward_batch)
+        shared = self.shared
+        if not attn_hooks.needs_metadata(forward_batch) and shared.step is not None:
+            shared.step = self._stage(forward_batch)
             return
         step = self._stage(forward_batch)
         mode, bs, raw_bs = forward_batch.forward_mode, step.batch.bs, forward_batch.batch_size
         if forward_batch.seq_lens_cpu is not None:
-            self.seq_lens_cpu[raw_bs:bs].fill_(self.seq_len_fill_value)
-            self.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+            shared.seq_lens_cpu[raw_bs:bs].fill_(self.seq_len_fill_value)
+            shared.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
         if forward_batch.num_token_non_padded is not None:  # read by MoE models under expert parallelism
-            self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
-        self.attn_backend.init_forward_metadata_out_graph(
-            attn_hooks.replay_view(forward_batch, step, self.seq_lens_cpu, self.seq_len_fill_value))
+            shared.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
+        self.backend_of(mode).init_forward_metadata_out_graph(
+            attn_hooks.replay_view(forward_batch, step, shared.seq_lens_cpu, self.seq_len_fill_value))
         self.forward_mode, self.bs, self.raw_bs = mode, bs, raw_bs
         self.raw_num_token = raw_bs * self.tokens_per_mode[mode]
-        self._step = step
+        shared.step = step
 
     def execute(self, forward_batch: ForwardBatch,
                 pp_proxy_tensors: Optional[PPProxyTensors] = None) -> Union[LogitsProcessorOutput, PPProxyTensors]:
         """Load (or re-stage) the batch and replay the graph of its own forward mode; outputs sliced to
         the real tokens."""
         self.load_batch(forward_batch, pp_proxy_tensors)
-        step = self._step
-        self.tp_check.check(step.mode.name, step.batch.bs, step.real_bs)
-        read_done = read_done_point(self.attn_backend, forward_batch.forward_mode)
+        shared, mode = self.shared, forward_batch.forward_mode
+        step = shared.step
+        shared.tp_check.check(step.mode.name, step.batch.bs, step.real_bs)
+        read_done = read_done_point(self.backend_of(mode), mode)
         if read_done == "pre":
             publish_read_done(self.model_runner)
         out = self.pool.replay(step)
         if read_done == "post":
             publish_read_done(self.model_runner)
-        self.replay_log.count(forward_batch.forward_mode)
-        return dataclasses.replace(self._captured_outputs[(forward_batch.forward_mode, step.batch.bs)], **out)
+        shared.replay_log.count(shared.labels[step.mode.name])
+        return dataclasses.replace(shared.captured_outputs[(step.mode.name, step.batch.bs)], **out)
 
     def _stage(self, forward_batch: ForwardBatch) -> Step:
+        mode = self.pool_modes.get(forward_batch.forward_mode)
+        if mode is None:
+            common.pool_mode(forward_batch.forward_mode, self.tokens_per_mode)  # raises, saying what to ask first
         return self.pool.stage(
-            common.pool_mode(forward_batch.forward_mode, self.tokens_per_mode), input_ids=forward_batch.input_ids,
-            positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc.to(torch.int64),
-            seq_lens=forward_batch.seq_lens.to(torch.int64), req_pool_indices=forward_batch.req_pool_indices)
+            mode, input_ids=forward_batch.input_ids, positions=forward_batch.positions,
+            out_cache_loc=forward_batch.out_cache_loc.to(torch.int64), seq_lens=forward_batch.seq_lens.to(torch.int64),
+            req_pool_indices=forward_batch.req_pool_indices)
 
     def get_spec_info(self, num_tokens: int) -> Any:
         """The verify input the primary mode's graphs are captured with (SGLang's method name)."""
-        return self._capture_spec_info(num_tokens) if self.speculative else None
+        verify = self.pool_modes.get(ForwardMode.TARGET_VERIFY)
+        return self.shared.capture_spec_info(verify, num_tokens) if verify is not None else None
 
-
-
-def shared_logits_buffer(model_runner: Any, rows: int) -> Optional[torch.Tensor]:
-    """SGLang's process-wide graph logits buffer (``model_runner.graph_shared_output``, 0.5.17+), ``rows``
-    long, which every one of SGLang's graph runners of a vocabulary writes into (its adaptive speculation's
-    runners too); ``None`` where this SGLang has none or it is shorter than ``rows``."""
-    shared = getattr(model_runner, "graph_shared_output", None)
-    vocab = getattr(getattr(model_runner, "model_config", None), "vocab_size", None)
-    if shared is None or not vocab or rows > getattr(shared, "max_rows", 0):
-        return None
-    return shared.get_logits_buffer(vocab, rows=rows)
+    #: What the step returns, each with one row per token (the pool's output rule).
+    output_names = SLICED_OUTPUTS
 
 
 class _PoolBackend:
@@ -310,11 +281,8 @@ class _PoolBackend:
         self._runner = runner
 
     def cleanup(self) -> None:
-        """Release every graph and the pool's buffers; the runner serves no more steps (SGLang builds a new one)."""
+        """Release every graph and the pool's buffers, those of every tier sharing the pool (SGLang builds new
+        runners); this runner serves no more steps."""
         runner = self._runner
-        runner.pool.close()
+        runner.shared.close()
         runner.graphs.clear()
-        runner.output_buffers.clear()
-        runner._captured_outputs.clear()
-        runner._capture_batches.clear()
-        runner._step = None

@@ -31,12 +31,13 @@ import dataclasses
 import functools
 import inspect
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from . import tier_plan
 from .draft_lag import DraftLag
 from .eagle_v1_plain import PLAIN_STEP
 from .fields import req_pool_rows
@@ -48,7 +49,7 @@ from .patch import plain_step_refusal
 log = logging.getLogger(__name__)
 
 __all__ = ["SpeculationSwitch", "DraftLag", "plain_decode_batch", "catch_up_view", "install_speculation_switch",
-           "uninstall_speculation_switch"]
+           "install_step_choice", "uninstall_speculation_switch"]
 
 
 def plain_decode_batch(model_runner: Any, *, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -279,14 +280,62 @@ _LOGPROB_FIELDS = ("return_logprob", "top_logprobs_nums", "token_ids_logprobs")
 _original_forward: Optional[Any] = None
 
 
+class StepChoice(Protocol):
+    """What decides each decode step of the wrapped worker: :class:`SwitchChoice` (the switch, and SGLang's adaptive
+    step count) or :class:`~.spec_tiers.TierChoice` (graphpool's speculation tiers)."""
+
+    def speculate(self, worker: Any, batch_size: int) -> bool:
+        """Whether this step speculates, on the worker's state as this call leaves it (False: a plain step)."""
+
+    def ran(self, worker: Any, result: Any) -> None:
+        """After SGLang's speculative step: ``result`` is its ``GenerationBatchResult``."""
+
+    def processed(self, batch: Any, result: Any) -> None:
+        """After the scheduler processed a speculative step's result (its per-request accepted drafts on the host)."""
+
+
+class SwitchChoice:
+    """The speculation switch's choice: plain above its threshold (hysteresis), and at SGLang's adaptive step 0."""
+
+    def __init__(self, switch: SpeculationSwitch):
+        self.switch = switch
+
+    def speculate(self, worker: Any, batch_size: int) -> bool:
+        worker.activate_step_by_batch(batch_size)  # SGLang's adaptive step count, if on
+        flips = self.switch.switches
+        speculate = self.switch.speculate(batch_size)
+        if self.switch.switches != flips:
+            _log_flip(worker, speculate, batch_size, self.switch)
+        return speculate and worker.speculative_num_steps != 0
+
+    def ran(self, worker: Any, result: Any) -> None:
+        """Nothing to note: SGLang's adaptive controller hears the step's acceptance itself."""
+
+    def processed(self, batch: Any, result: Any) -> None:
+        """Nothing to note (see :meth:`ran`)."""
+
+
 def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optional[int] = None) -> SpeculationSwitch:
     """Make SGLang's spec-v2 EAGLE worker decode plainly above ``off_above`` requests (in this process), and
     route SGLang's adaptive step 0 (``--speculative-adaptive``) to plain steps. ``off_above=None``: only the
     adaptive routing. Prefill batches and speculative steps keep SGLang's path (after a draft catch-up)."""
+    switch = SpeculationSwitch(off_above if off_above is not None else 2**62, on_at_or_below)
+    install_step_choice(SwitchChoice(switch))
+    if off_above is None:
+        log.info("graphpool: SGLang's adaptive step 0 as plain steps on DECODE graphs (no speculation switch)")
+    else:
+        log.info("graphpool: spec v2 plain decode above %d requests, back on at <= %d; adaptive step 0 on DECODE "
+                 "graphs", off_above, switch.policy.on_at_or_below)
+    return switch
+
+
+def install_step_choice(choice: StepChoice) -> None:
+    """Wrap ``EAGLEWorkerV2.forward_batch_generation`` (in this process): each decode step asks ``choice`` whether it
+    speculates; a plain step runs on the target's DECODE graph with no draft work, and the first speculative step of
+    a request after plain ones catches its draft up first. Prefill batches and speculative steps keep SGLang's path."""
     global _original_forward
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
-    switch = SpeculationSwitch(off_above if off_above is not None else 2**62, on_at_or_below)
     lag = DraftLag(keep_hidden=None)  # EAGLE's plain steps give hidden states, a STANDALONE draft's none
     original = _original_forward or EAGLEWorkerV2.forward_batch_generation
     # This SGLang's own parameters after (self, batch): 0.5.14 takes on_publish only, 0.5.2x adds
@@ -322,31 +371,24 @@ def install_speculation_switch(off_above: Optional[int], on_at_or_below: Optiona
         pp_proxy_tensors = argument("pp_proxy_tensors", args, kwargs)
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode and pp_proxy_tensors is None and batch.spec_info is not None and not plain_steps_refused(self):
-            bs = batch.seq_lens.shape[0]
-            self.activate_step_by_batch(bs)  # SGLang's adaptive step count, if on
-            flips = switch.switches
-            speculate = switch.speculate(bs)
-            if switch.switches != flips:
-                _log_flip(self, speculate, bs, switch)
-            if not speculate or self.speculative_num_steps == 0:
+            if not choice.speculate(self, batch.seq_lens.shape[0]):
                 return eagle_v2_plain_decode(self, batch, lag, on_publish, argument("grammar_barrier", args, kwargs))
             eagle_v2_catch_up(self, batch, lag)
-        elif not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
+            result = original(self, batch, *args, **kwargs)
+            choice.ran(self, result)
+            return result
+        if not decode and len(lag):  # prefilled afresh (a row reused, a request re-prefilled): no lag
             lag.forget(req_pool_rows(batch.reqs))
         return original(self, batch, *args, **kwargs)
 
-    forward_batch_generation.graphpool_switch = switch  # type: ignore[attr-defined]  # for inspection
+    forward_batch_generation.graphpool_switch = getattr(choice, "switch", choice)  # type: ignore[attr-defined]
+    forward_batch_generation.graphpool_choice = choice  # type: ignore[attr-defined]  # for inspection
     forward_batch_generation.graphpool_lag = lag  # type: ignore[attr-defined]
     _original_forward = original
     EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
-    _keep_plain_steps_out_of_spec_metrics()
+    tier_plan.note_plain_steps(True)
+    _keep_plain_steps_out_of_spec_metrics(choice)
     _say_where_the_switch_does_not_act()
-    if off_above is None:
-        log.info("graphpool: SGLang's adaptive step 0 as plain steps on DECODE graphs (no speculation switch)")
-    else:
-        log.info("graphpool: spec v2 plain decode above %d requests, back on at <= %d; adaptive step 0 on DECODE "
-                 "graphs", off_above, switch.policy.on_at_or_below)
-    return switch
 
 
 #: SGLang's spec-v2 workers with a ``forward_batch_generation`` of their own, which the switch does not drive
@@ -389,21 +431,27 @@ def _warn_once(method: Any, message: str) -> Any:
 
 
 _original_process_decode: Optional[Any] = None
+_processed: List[StepChoice] = []  # the choice that hears each processed speculative step (the latest installed)
 
 
-def _keep_plain_steps_out_of_spec_metrics() -> None:
+def _keep_plain_steps_out_of_spec_metrics(choice: StepChoice) -> None:
     """Wrap SGLang's ``SchedulerBatchResultProcessor.process_batch_result_decode`` (0.5.14 to 0.5.23): a plain step's
-    result leaves the speculation metrics (:mod:`.spec_v2_metrics`)."""
+    result leaves the speculation metrics (:mod:`.spec_v2_metrics`); a speculative step's goes to ``choice`` once
+    SGLang has processed it."""
     global _original_process_decode
     from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
 
+    _processed[:] = [choice]
     if _original_process_decode is not None:
         return
     original = _original_process_decode = SchedulerBatchResultProcessor.process_batch_result_decode
 
     @functools.wraps(original)
     def process_batch_result_decode(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
-        return process_decode_result(lambda *a: original(*a, *args, **kwargs), self, batch, result)
+        out = process_decode_result(lambda *a: original(*a, *args, **kwargs), self, batch, result)
+        if _processed and not getattr(result, PLAIN_STEP, False):
+            _processed[0].processed(batch, result)
+        return out
 
     SchedulerBatchResultProcessor.process_batch_result_decode = process_batch_result_decode
 
@@ -411,6 +459,8 @@ def _keep_plain_steps_out_of_spec_metrics() -> None:
 def uninstall_speculation_switch() -> None:
     """Restore SGLang's ``forward_batch_generation`` methods and ``process_batch_result_decode`` the switch wrapped."""
     global _original_forward, _original_process_decode
+    _processed.clear()
+    tier_plan.note_plain_steps(False)
     if _original_process_decode is not None:
         from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
 

@@ -17,8 +17,12 @@ entry point, declared in ``plugin/`` beside it), changes exactly that, test-side
 * in the scheduler processes, for the tests: SGLang's dummy weights (``--load-format dummy``) drawn from
   uniform(-0.25, 0.25) instead of its uniform(-1e-3, 1e-3), same seed per parameter. With SGLang's range the tiny
   model's logits differ by about a float32 ulp of their log-softmax, so greedy choices are near-ties that another
-  batch shape's rounding can flip; with these the top two tokens stand well apart. Every server of the tier (the
-  oracle included) loads the same weights.
+  batch shape's rounding can flip; with these the top two tokens stand well apart. Then the output head (``lm_head``)
+  times :data:`LOGIT_SCALE`, a power of two: every logit scaled exactly, so every greedy token is the same, but the
+  distribution is sharp (its top token near probability 1, where the random model's is near 1/vocab). A draft tree
+  (topk > 1) ranks its candidates by their probability products, so only a sharp draft keeps its own greedy chain
+  in the tree at every depth: then a STANDALONE draft (the target) accepts as deep as its tree reaches, at any topk.
+  Every server of the tier (the oracle included) loads the same weights.
 * in the scheduler processes, for the tests: every model forward is counted by model (target, draft) and forward
   mode into the JSON file ``GRAPHPOOL_LIVE_COUNTS`` names (what shows that a plain step does no draft work).
 * in the launcher process: SGLang's argument resolution is told the CPU has AMX tiles, so it keeps ``intel_amx``
@@ -108,15 +112,31 @@ def _verify_with_draft_lengths(forward_extend):
 
 #: The range the tests' dummy weights are drawn from (see the module's docstring).
 DUMMY_WEIGHT_RANGE = 0.25
+#: The output head's factor (see the module's docstring): a power of two, so the logits scale exactly.
+LOGIT_SCALE = 2.0 ** 10
 
 
 def _decisive_dummy_weights() -> None:
     import functools
 
+    import torch
+
     from sglang.srt.model_loader import loader
 
-    original = getattr(loader.initialize_dummy_weights, "func", loader.initialize_dummy_weights)
-    loader.initialize_dummy_weights = functools.partial(original, low=-DUMMY_WEIGHT_RANGE, high=DUMMY_WEIGHT_RANGE)
+    original = getattr(loader.initialize_dummy_weights, "graphpool_original", loader.initialize_dummy_weights)
+
+    @functools.wraps(original)
+    def initialize_dummy_weights(model, *args, **kwargs):
+        kwargs.update(low=-DUMMY_WEIGHT_RANGE, high=DUMMY_WEIGHT_RANGE)
+        out = original(model, *args, **kwargs)
+        head = getattr(getattr(model, "lm_head", None), "weight", None)
+        if isinstance(head, torch.Tensor):
+            with torch.no_grad():
+                head.mul_(LOGIT_SCALE)
+        return out
+
+    initialize_dummy_weights.graphpool_original = original
+    loader.initialize_dummy_weights = initialize_dummy_weights
 
 
 def _count_forwards(path: "str | None") -> None:

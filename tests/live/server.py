@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tests.live.models import make_models
 
@@ -166,9 +166,41 @@ class ServerLog:
         """Requests caught up by each draft catch-up, in order."""
         return [int(n) for n in re.findall(r"graphpool draft catch-up: (\d+) requests", self.text)]
 
-    def captured(self) -> str:
-        found = re.findall(r"graphpool captured \d+ graphs for \[[^\]]*\]", self.text)
-        return found[-1] if found else ""
+    def replays_by_forward_mode(self) -> Dict[str, int]:
+        """:meth:`replays` summed per SGLang forward mode (a speculation tier's ``TARGET_VERIFY_<tier>`` counts as
+        ``TARGET_VERIFY``)."""
+        total: Dict[str, int] = {}
+        for label, n in self.replays().items():
+            mode = "TARGET_VERIFY" if label.startswith("TARGET_VERIFY") else label
+            total[mode] = total.get(mode, 0) + n
+        return total
+
+    def captures(self) -> Dict[str, int]:
+        """How many times graphpool captured each mode's graphs (``DECODE``, ``TARGET_VERIFY``, a tier's
+        ``TARGET_VERIFY_<tier>``): one count per ``graphpool captured N graphs for [...]`` line naming it."""
+        counts: Dict[str, int] = {}
+        for modes in re.findall(r"graphpool captured \d+ graphs for \[([^\]]*)\]", self.text):
+            for mode in re.findall(r"'([^']+)'", modes):
+                counts[mode] = counts.get(mode, 0) + 1
+        return counts
+
+    def tier_changes(self) -> List[Tuple[str, str, int]]:
+        """graphpool's tier changes, in order: (from, to, running requests)."""
+        return [(a, b, int(n)) for a, b, n in re.findall(r"graphpool tiers: (\S+) -> (\S+) at (\d+) running", self.text)]
+
+    def tier_first_verifies(self) -> List[Tuple[str, float, int]]:
+        """The first verify step after each tier change: (tier, tokens committed per request, the tier's most)."""
+        return [(t, float(mean), int(most)) for t, mean, most in re.findall(
+            r"graphpool tiers: first verify step at (\S+) after a change: ([\d.]+) tokens per request \(at most (\d+)\)",
+            self.text)]
+
+    def tier_steps(self) -> Dict[str, Tuple[int, int]]:
+        """The latest tier statistics: tier -> (verify steps that committed the tier's most for every request, all
+        verify steps)."""
+        found = re.findall(r"graphpool tiers: verify steps \(at their tier's most/all\) ([^;]*);", self.text)
+        if not found:
+            return {}
+        return {tier: (int(most), int(steps)) for tier, most, steps in re.findall(r"(\S+)=(\d+)/(\d+)", found[-1])}
 
     def problems(self) -> List[str]:
         """Lines that must never appear: errors, tracebacks, SGLang's idle leak check. One traceback is SGLang's own

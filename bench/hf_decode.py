@@ -16,7 +16,10 @@ and with ``--tiers`` (speculation tiers, docs/tiers.md), after the table's varia
   (f) gp-tiers    the same pool with a verify mode per tier's draft length: a TierSchedule picks each step's
                   draft length by batch size (plain decode above the last bound); steps per tier reported
 
-graphpool's step is the model's own eager modules inside the graph, not compiled (no torch.compile). Also: the
+graphpool's step is the model's own eager modules inside the graph; with ``--compile`` the step is compiled first
+(``torch.compile``'s defaults, no CUDA graphs of its own) and the pool captures the compiled kernels. With
+``--sample`` every variant samples (Llama-3.2-1B's own settings: temperature 0.6, top-p 0.9; prompt lookup by
+exact speculative sampling); tokens are then compared by nothing but their count. Also: the
 pool's capture time, the acceptance per verify step, a graphed verify step's GPU time against a graphed plain
 step's at batch 1, and whether (d)'s and (e)'s tokens equal (a)'s. The prompts repeat spans (a code block
 edited, a document quoted by its summary), and random greedy models repeat their own output: lookup finds drafts.
@@ -24,6 +27,7 @@ edited, a document quoted by its summary), and random greedy models repeat their
     python bench/hf_decode.py                        # the H200 run (about 5 minutes; writes out/hf_decode.*)
     python bench/hf_decode.py --smoke                # a tiny model on CPU in seconds: the code path, no timing
     python bench/hf_decode.py --tiers 4:2,2:8,1:16   # + (f): 4 drafts up to bs 2, 2 up to 8, 1 up to 16, plain above
+    python bench/hf_decode.py --sample --compile     # sampled, graphpool's step compiled before its capture
 
 Writes ``<out>.json``, ``<out>.csv`` and ``<out>.png`` all or none (graphpool.bench.outputs) and prints a short table
 last, with the issue's goals as PASS/FAIL lines (not judged on a smoke run).
@@ -87,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=320.0,
                    help="the whole run's time limit: (b) starts no compile that would end past it (estimated from "
                         "the last one), so the files are written inside one device call")
+    p.add_argument("--sample", action="store_true",
+                   help="every variant samples (temperature 0.6, top-p 0.9: Llama-3.2-1B's generation config)")
+    p.add_argument("--compile", action="store_true",
+                   help="graphpool's step compiled with torch.compile (no CUDA graphs of its own) before its capture")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (smoke default)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -101,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.draft_tokens = min(args.draft_tokens, 3)
     args.tiers = parse_tiers(p, args.tiers, args.draft_tokens)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    #: generate()'s token choice, for every variant
+    args.choice = dict(do_sample=True, temperature=0.6, top_p=0.9) if args.sample else dict(do_sample=False)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     return args
 
@@ -220,7 +230,7 @@ def hf_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argparse.Na
     for bs, batch in batches.items():
         def call(batch=batch):
             return model.generate(input_ids=batch.ids, attention_mask=batch.mask, max_new_tokens=args.new_tokens,
-                                  do_sample=False, pad_token_id=0, **generate_args)
+                                  pad_token_id=0, **args.choice, **generate_args)
         width = batch.ids.shape[1]
         runs.append(measure(variant, bs, call, args, lambda out, w=width: out[:, w:].tolist()))
     return runs
@@ -284,8 +294,8 @@ def pool_runs(generator: Any, batches: dict[int, Batch], args: argparse.Namespac
         def call(batch=batch):
             policy = gp.SpeculationPolicy(off_above=top if speculate else 0)  # speculate at every size (or none)...
             gate = gp.AcceptanceGate(min_accept=1.3, window=8, pause_steps=32) if speculate else None  # ...that pays
-            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], do_sample=False,
-                                      policy=policy, gate=gate)
+            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], seed=args.seed,
+                                      policy=policy, gate=gate, **args.choice)
 
         def extra(result):
             return {"accept": result.accept_per_verify, "steps": len(result.steps), "misses": result.misses,
@@ -302,8 +312,8 @@ def tier_runs(generator: Any, batches: dict[int, Batch], args: argparse.Namespac
     runs = []
     for bs, batch in batches.items():
         def call(batch=batch):
-            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], do_sample=False,
-                                      policy=generator.tier_schedule(args.tiers))
+            return generator.generate(batch.prompts, max_new_tokens=args.new_tokens, eos_token_id=[], seed=args.seed,
+                                      policy=generator.tier_schedule(args.tiers), **args.choice)
 
         def extra(result, bs=bs):
             tier_steps[bs] = result.steps_by_mode
@@ -384,6 +394,7 @@ def graphpool_runs(model: torch.nn.Module, batches: dict[int, Batch], args: argp
     from graphpool.integrations.transformers import PoolGenerator
     try:
         generator = PoolGenerator(model, max_len=max_len, batch_sizes=args.batch_sizes, progress=True,
+                                  compile=args.compile,
                                   num_draft_tokens=tier_lengths(args.draft_tokens, args.tiers) if args.tiers
                                   else args.draft_tokens)
         if args.tiers:
@@ -415,6 +426,8 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
           f"Llama {'tiny' if args.smoke else '3.2-1B config'} ({params / 1e9:.3f} B parameters, random weights, "
           f"{args.dtype}) on {args.device}; transformers {transformers.__version__}, torch {torch.__version__}; "
           f"batch sizes {args.batch_sizes}, {args.new_tokens} new tokens per row, {args.draft_tokens} drafts; "
+          f"{'sampled ' + str(args.choice) if args.sample else 'greedy'}; graphpool's step "
+          f"{'compiled' if args.compile else 'eager modules'}; "
           f"model built in {time.perf_counter() - started:.1f} s", flush=True)
     prompts = make_prompts(max(args.batch_sizes), args.prompt_len, model.config.vocab_size, args.seed)
     batches = {bs: Batch.of(prompts[:bs], args.device) for bs in args.batch_sizes}
@@ -431,12 +444,14 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
             "transformers": transformers.__version__, "torch": torch.__version__, "batch_sizes": args.batch_sizes,
             "new_tokens": args.new_tokens, "draft_tokens": args.draft_tokens,
             "prompt_lengths": [len(p) for p in prompts], "max_len": max_len, "capture_s": capture_s,
-            "graphpool_step": "the model's eager modules captured in CUDA graphs (no torch.compile)",
+            "graphpool_step": ("torch.compile (defaults, no CUDA graphs of its own), then captured in CUDA graphs"
+                               if args.compile else "the model's eager modules captured in CUDA graphs (no torch.compile)"),
+            "choice": args.choice, "sampled": args.sample, "compiled": args.compile,
             "hf_static": "generate(cache_implementation='static'): transformers' torch.compile(mode='reduce-overhead') "
                          "on CUDA, its default CompileConfig", "smoke": smoke,
             "tiers": [list(t) for t in args.tiers], "tier_steps": tier_steps,
             "seconds": time.perf_counter() - started}
-    goals = check_goals(runs, steps, judged=not smoke)
+    goals = check_goals(runs, steps, judged=not smoke, sampled=args.sample)
     try:
         with outputs:
             write_outputs(outputs, meta, runs, steps, goals)

@@ -38,7 +38,8 @@ from .lookup import NgramIndex
 from .options import Options, per_request, resolve
 from .result import GenerationResult, StepRecord
 from .sampling import NEUTRAL
-from .step import DECODE, STEP_OUTPUTS, VERIFY, SlotForward, describe, step_inputs, step_modes, verify_modes
+from .step import (DECODE, STEP_OUTPUTS, VERIFY, SlotForward, compile_options, describe, step_inputs, step_modes,
+                   verify_modes)
 from .structure import inspect_model
 from .tiers import check_policy, draft_schedule
 
@@ -77,20 +78,27 @@ class PoolGenerator:
             Change it only knowingly: a wrong fill breaks padded rows (this package's tests pass one to show
             that their oracle catches it).
         progress: report capture progress on stderr.
+        compile: compile the decode and verify steps with ``torch.compile`` before the pool captures them
+            (``True``: torch's defaults; a dict: its keyword arguments, e.g. ``{"mode":
+            "max-autotune-no-cudagraphs"}``). Inductor fuses the step's small kernels and the graphs replay the
+            fused ones; the compiles happen during construction (each new step shape, until torch makes the
+            shapes dynamic). Modes that capture CUDA graphs of their own are refused: the pool captures.
 
     Raises:
         UnsupportedModelError: the model or the transformers release cannot be served (why, and the fix).
         ValueError: a bad ``num_draft_tokens`` (negative, or a list with a length below 1 or repeated) or
-            ``max_batch``.
+            ``max_batch``; a ``compile`` mode that captures CUDA graphs itself.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, max_batch: int | None = None,
                  batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int | Sequence[int] = 4,
                  verify_batch_sizes: Sequence[int] | None = None, max_ngram: int = 3, grouped_attention: bool = True,
                  prefill_tokens: int = 8192, cache_dtype: torch.dtype | None = None, tokenizer: Any = None,
-                 debug: bool = False, inputs: InputsFn = step_inputs, progress: bool = False):
+                 debug: bool = False, inputs: InputsFn = step_inputs, progress: bool = False,
+                 compile: bool | Mapping[str, Any] = False):
         #: The verify modes and their draft lengths, longest first (``{}``: plain decode only).
         self.verify_modes = verify_modes(num_draft_tokens)
+        compiled = compile_options(compile)
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (requests running at once), got {max_batch}")
         sizes = tuple(sorted(set(batch_sizes)))
@@ -103,7 +111,7 @@ class PoolGenerator:
         layout = inspect_model(model)
         with torch.inference_mode():
             self.cache = SlotCache(model, self.max_batch + 1, max_len, dtype=cache_dtype, layout=layout)
-            self.forward = SlotForward(model, self.cache, grouped_attention)
+            self.forward = SlotForward(model, self.cache, grouped_attention, compiled)
             verify = tuple(sorted(set(verify_batch_sizes))) if verify_batch_sizes else None
             self.pool = gp.GraphPool(step_modes(num_draft_tokens, None, verify),
                                      list(inputs(self.cache, self.forward.vocab)), sizes, device=device, debug=debug)

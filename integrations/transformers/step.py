@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -28,6 +28,34 @@ DECODE, VERIFY = "decode", "verify"
 #: The output rule for :func:`~graphpool.GraphPool.capture`: ``out`` has one row per token
 #: (``[N, 4]`` float64, the columns of :data:`~.sampling.OUT`).
 STEP_OUTPUTS = {"out": "token"}
+
+#: ``torch.compile`` modes that capture CUDA graphs of their own: the pool captures the step itself, and a capture
+#: cannot hold another capture.
+GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments of a generator's ``compile`` option: ``None`` for ``False``, ``{}``
+    (torch's defaults: Inductor, no CUDA graphs of its own) for ``True``, a copy of a mapping otherwise.
+
+    Raises:
+        ValueError: a mode that captures CUDA graphs itself (``reduce-overhead``, ``max-autotune``), or Inductor's
+            ``triton.cudagraphs`` option on: the pool captures the compiled step (use ``default`` or
+            ``max-autotune-no-cudagraphs``).
+        TypeError: neither a bool nor a mapping.
+    """
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, Mapping):
+        raise TypeError(f"compile takes True, False or a dict of torch.compile arguments (e.g. {{'mode': "
+                        f"'max-autotune-no-cudagraphs'}}), got {type(compile).__name__}")
+    options = dict(compile)
+    cudagraphs = (options.get("options") or {}).get("triton.cudagraphs", False)
+    if options.get("mode") in GRAPHING_MODES or cudagraphs:
+        raise ValueError(f"compile={compile!r}: that torch.compile setting captures CUDA graphs of its own, and the "
+                         f"pool captures the compiled step in its graphs; use mode 'default' or "
+                         f"'max-autotune-no-cudagraphs'")
+    return options
 
 
 def _is_int(value: object) -> bool:
@@ -107,9 +135,12 @@ class SlotForward:
         grouped: for ``"sdpa"`` models, attend with :func:`~.attention.grouped_sdpa` (each key read once per
             key/value head, not repeated for its query heads) where attention receives nothing else it would
             compute differently; ``False`` keeps transformers' own ``sdpa``. ``"eager"`` models keep theirs.
+        compile: ``torch.compile`` keyword arguments for the decode and verify steps (``None``: eager modules);
+            :func:`compile_options` makes them. The prefill stays eager: its shapes change with every batch.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, grouped: bool = True):
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, grouped: bool = True,
+                 compile: Mapping[str, Any] | None = None):
         self.model, self.cache = model, cache
         layout = cache.layout
         self.grouped = bool(grouped and layout.implementation == "sdpa" and layout.plain_arguments and layout.groups)
@@ -119,6 +150,10 @@ class SlotForward:
         self._cache_arg = cache_argument(model)
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.vocab = model.get_output_embeddings().weight.shape[0]
+        # Compiled without CUDA graphs of its own (compile_options): Inductor fuses the step's small kernels, and
+        # the pool's capture records the fused kernels. A compile happens on a step's first new shape, which the
+        # pool's warm-up run before each capture meets first.
+        self._step = self._eager_step if compile is None else torch.compile(self._eager_step, **compile)
         with torch.inference_mode():
             #: The EOS tokens that ``min_new_tokens`` suppresses (set per generation, read by the graphs).
             self.eos = torch.zeros(self.vocab, dtype=torch.bool, device=cache.device)
@@ -166,8 +201,11 @@ class SlotForward:
         # and the cache's in-place writes must never join an autograd graph (PoolGenerator also wraps its loop).
         with torch.inference_mode():
             ids, positions = x["input_ids"].view(rows, tokens), x["positions"].view(rows, tokens)
-            logits = self.logits(ids, positions, x["slots"])
-            return {"out": self.choose(logits, ids, positions, x["sampling"], x["uniforms"])}
+            return {"out": self._step(ids, positions, x["slots"], x["sampling"], x["uniforms"])}
+
+    def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor,
+                    uniforms: torch.Tensor) -> torch.Tensor:
+        return self.choose(self.logits(ids, positions, slots), ids, positions, sampling, uniforms)
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: torch.Tensor,
                 uniforms: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@
 #   tiers [ARGS]         speculation tiers on the reference engine (docs/tiers.md): decode_loop --tiers
 #                        4x2:8,4x1:4 at C = 1..128 with the float32 identity check; JSON in $OUT/decode_tiers.json
 #   hf [ARGS]            transformers: its GPU tests, then bench/hf_decode.py ARGS (docs/transformers.md)
+#   live [PYTEST ARGS]   the live tier (tests/test_live_sglang.py) on the GPU: SGLang 0.5.17 from the .sgl17 carry,
+#                        its CUDA graphs for the oracle, graphpool's for the target (GRAPHPOOL_LIVE_DEVICE=cuda)
 #   sglang-live ARGS     live SGLang 0.5.17 servers from the .sgl17 carry: bench/sglang_live_v2.py ARGS
 #                        (--phase correctness|flashinfer|throughput); DEADLINE_S (550) bounds the whole call
 #   sglang-classic ARGS  live SGLang 0.5.12.post1 servers from the .sgl carry: bench/sglang_live.py ARGS
@@ -150,6 +152,13 @@ hf)
   tests_summary "$LOG"
   stage "bench/hf_decode.py $*" ${HF_LIMIT:-400} python3 bench/hf_decode.py --out "$OUT/hf_decode" "$@"
   grep -E "^hf_decode: (graphpool captured|graphed step|hf-static |\(f\) )" "$LOG"; table "tokens/s [(]all rows" "$LOG" ;;
+live)
+  : > "$LOG"; machine
+  sglang_setup "$PWD/.sgl17" "${SGL_RUN_DIR:-$TMP/gp-live.sgl17}"
+  export GRAPHPOOL_LIVE_DEVICE=cuda GRAPHPOOL_NO_EXTENSION=1
+  stage "live tier on CUDA (SGLang 0.5.17)" ${LIVE_LIMIT:-560} python3 -m pytest -q -rs -s -p no:cacheprovider --live -m live \
+    --basetemp "$OUT/live" "${@:-tests/test_live_sglang.py}"
+  grep -E "^live |^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$LOG" | tail -20 ;;
 sglang-live|sglang-classic)
   DEADLINE_S=${DEADLINE_S:-550}
   if [ "$run" = sglang-live ]; then carry=.sgl17 script=bench/sglang_live_v2.py; else carry=.sgl script=bench/sglang_live.py; fi

@@ -41,7 +41,7 @@ from typing import Dict, List, Sequence
 import pytest
 
 from tests.live.models import CORPUS
-from tests.live.server import LiveServer, Output, Request, ServerLog, models
+from tests.live.server import DEVICE, LiveServer, Output, Request, ServerLog, models
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(600)]
 
@@ -51,6 +51,11 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("the live tier needs SGLang (CI: .ci/sglang-live.sh)", allow_module_level=True)
 #: 0.5.23 and later (topk > 1 on CPU, the adaptive runs).
 NEWER = tuple(int(p) for p in RELEASE.split(".")[:3] if p.isdigit()) >= (0, 5, 23)
+#: What a release serves here beyond 0.5.17 on CPU: topk > 1 (its CPU attention's limit), --speculative-adaptive (4a,
+#: e: 0.5.17's CPU ramp once never crossed the switch), structured output (its CPU xgrammar; the GPU carry has none).
+GPU = DEVICE == "cuda"
+TOPK4 = ADAPTIVE = NEWER or GPU
+STRUCTURED = NEWER and not GPU
 
 STEPS = 3
 #: The switch: off above 4 running requests, on again at <= 2.
@@ -78,6 +83,7 @@ ADAPTIVE_VERIFY = {f"TARGET_VERIFY_1x{s}:{s + 1}": s for s in (STEPS, STEPS - 1)
 #: the first JSON-schema request ("pin_memory=True requires a CUDA or other accelerator backend"); 0.5.23 asks
 #: ``is_pin_memory_available()`` first.
 NO_STRUCTURED_OUTPUT = "SGLang 0.5.17's xgrammar backend pins its bitmask, which CPU torch refuses"
+NO_GRAMMAR_ON_GPU = "the GPU carry holds no grammar backend (--grammar-backend none)"
 #: Concurrency of each wave: 1 -> 16 -> 1, crossing the switch's threshold up and down in each wave above 4.
 RAMP = (1, 6, 16, 2, 8, 1)
 
@@ -149,7 +155,7 @@ def special_requests(free: List[Output], tokenizer: object) -> List[Request]:
     schema = json.dumps({"type": "object", "properties": {"fox": {"type": "integer"}}, "required": ["fox"]})
     # ignore_eos off for the stops: SGLang's ignore_eos disregards stop token ids too.
     out = [Request(prompt(100), max_new_tokens=24, stop_token_ids=[stop_id], ignore_eos=False)]
-    if NEWER:  # see NO_STRUCTURED_OUTPUT
+    if STRUCTURED:  # see NO_STRUCTURED_OUTPUT
         out.append(Request(prompt(102), max_new_tokens=32, json_schema=schema, ignore_eos=False))
     if stop_text is not None:
         out.append(Request(prompt(101), max_new_tokens=24, stop=[stop_text], ignore_eos=False))
@@ -213,12 +219,12 @@ def test_eagle_switch_under_a_ramp_with_structured_output_stops_and_aborts(work,
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
         assert log.flips("OFF") >= 3 and log.flips("ON") >= 3, f"OFF {log.flips('OFF')}, ON {log.flips('ON')}"
         assert log.catch_ups(), "speculation resumed without a draft catch-up"
-        summary("eagle (a, f)", server, counts, started, **({} if NEWER else {"no JSON schema": NO_STRUCTURED_OUTPUT}))
+        summary("eagle (a, f)", server, counts, started, **({} if STRUCTURED else {"no JSON schema": NO_STRUCTURED_OUTPUT if not GPU else NO_GRAMMAR_ON_GPU}))
 
 
 def test_eagle_topk4_switch(work, oracle):
     """(b)."""
-    if not NEWER:
+    if not TOPK4:
         pytest.skip(f"SGLang {RELEASE}'s own CPU attention (intel_amx forward_decode) reads one length per sequence for "
                     f"bs * topk draft queries and fails at topk > 1; 0.5.23 fixed it")
     started = time.monotonic()
@@ -241,19 +247,19 @@ def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
     servers ran beside it), so the switch did not flip 3 times: 0.5.17 keeps the switch alone here."""
     started = time.monotonic()
     args = CONFIGS["eagle3"]
-    if NEWER:
+    if ADAPTIVE:
         table = work / "adaptive.json"
         table.write_text(json.dumps(ADAPTIVE_TABLE))
         args = (*args, "--speculative-adaptive", "--speculative-adaptive-config", str(table))
     with LiveServer.start(args, work, name="eagle3") as server:
         counts = run_ramp(server, oracle)
         more: Dict[str, object] = {}
-        if NEWER:
+        if ADAPTIVE:
             more = adaptive_step0_and_one_pool(server, oracle, counts)
         log = server.log()
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
         assert log.flips("OFF") >= 3 and log.catch_ups()
-        summary("eagle3 (c" + (", e, 4a)" if NEWER else ")"), server, counts, started, **more)
+        summary("eagle3 (c" + (", e, 4a)" if ADAPTIVE else ")"), server, counts, started, **more)
 
 
 def adaptive_step0_and_one_pool(server: LiveServer, oracle: Dict[str, object], counts: Dict[str, int]) -> Dict[str, object]:
@@ -281,6 +287,38 @@ def adaptive_step0_and_one_pool(server: LiveServer, oracle: Dict[str, object], c
     assert all(log.replays().get(m, 0) > 0 for m in ADAPTIVE_VERIFY), log.replays()
     return {"adaptive step 0 (e): plain steps on DECODE graphs": decode, "their draft forwards": 0,
             "verify steps by draft steps (at < 3 running)": verify, "captures of the 3 adaptive states (4a)": captures}
+
+
+@pytest.mark.gpu
+def test_adaptive_graph_memory_and_capture_time_against_stock(work, oracle):
+    """(4a) on a GPU: SGLang's ``--speculative-adaptive`` (:data:`ADAPTIVE_TABLE`, EAGLE3) served by SGLang's own graph
+    runners and by graphpool's one pool, same flags: the same tokens as the oracle, graphpool's DECODE graphs captured
+    once, and each server's graph memory and capture time as SGLang logs them (its ``Capture ... CUDA graph end``
+    lines: target, draft and draft-extend runners of every adaptive state)."""
+    table = work / "adaptive.json"
+    table.write_text(json.dumps(ADAPTIVE_TABLE))
+    args = (*CONFIGS["eagle3"][:CONFIGS["eagle3"].index(SWITCH[0])], "--speculative-adaptive",
+            "--speculative-adaptive-config", str(table))
+    figures = {}
+    for name, graphpool in (("stock", False), ("graphpool", True)):
+        with LiveServer.start(args, work, name=f"adaptive-{name}", graphpool=graphpool) as server:
+            outs = server.client.generate_many(same_length_wave())
+            same_tokens(outs, oracle["flat"], f"adaptive, {name}'s runners")
+            for k, requests in enumerate(ramp_waves()[:3]):
+                same_tokens(server.client.generate_many(requests), oracle["ramp"][k], f"adaptive, {name}, wave {k}")
+            server.check_health()
+            log = server.log()
+            assert not log.problems(), f"{name} server log: {log.problems()[:3]}"
+            captures = log.graph_captures()
+            assert captures, f"{name}: no SGLang capture line in its log"
+            figures[name] = {"graphs GB": round(sum(gb for _, _, gb in captures), 2),
+                             "capture s": round(sum(s for _, s, _ in captures), 2),
+                             "by runner (what, s, GB)": captures}
+            if graphpool:
+                assert log.captures() == {"DECODE": 1, **dict.fromkeys(ADAPTIVE_VERIFY, 1)}, log.captures()
+    print(f"\nlive {RELEASE} adaptive graph memory and capture time (4a, {DEVICE}): {figures}")
+    # SGLang rounds each runner's memory to 10 MB: graphpool's one pool may not take more than stock's runners
+    assert figures["graphpool"]["graphs GB"] <= figures["stock"]["graphs GB"] + 0.01 * len(figures["stock"]["by runner (what, s, GB)"]), figures
 
 
 def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracle):
@@ -336,8 +374,8 @@ def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracl
 #: graphpool's tiers (4b), STANDALONE: the server's own shape first (3 steps of topk 4, 8 tokens), then 2 and 1 steps,
 #: plain decode above 4 running requests (back at <= 3). SGLang 0.5.17 runs the same step counts as chains (topk 1): its
 #: own CPU attention fails at topk > 1 (see test_eagle_topk4_switch).
-TIERS = "4x3:8@1,4x2:6@2,4x1:4@4/3" if NEWER else "1x3:4@1,1x2:3@2,1x1:2@4/3"
-TIERS_TOPK = 4 if NEWER else 1
+TIERS = "4x3:8@1,4x2:6@2,4x1:4@4/3" if TOPK4 else "1x3:4@1,1x2:3@2,1x1:2@4/3"
+TIERS_TOPK = 4 if TOPK4 else 1
 #: Each tier's most tokens committed per request and verify step (steps + 1: every tier's tree reaches its depth).
 TIER_MOST = {tier.split("@")[0]: int(tier.split("x")[1].split(":")[0]) + 1 for tier in TIERS.split(",")}
 #: The waves of 4b (running requests at their start), each shrinking one request at a time: 5 visits plain decode, the

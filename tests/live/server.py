@@ -1,4 +1,4 @@
-"""Start a real SGLang server on CPU (graphpool's launcher, or SGLang's own), talk to it, read its log; stop it.
+"""Start a real SGLang server (graphpool's launcher, or SGLang's own), talk to it, read its log; stop it.
 
 The live tier's one way to run a server, for its tests and for tiers built on it::
 
@@ -15,6 +15,10 @@ does not come up fails with its own first error line.
 What the server needs on CPU comes from the test tree: ``stand_ins/`` (sgl_kernel's CPU ops in plain torch),
 ``../stubs`` (torchvision) and ``plugin/`` (SGLang's plugin entry point for :mod:`tests.live.cpu_plugin`), put first
 on its ``PYTHONPATH``; SGLang itself is whatever this process imports (CI puts one release's folder on the path).
+
+``GRAPHPOOL_LIVE_DEVICE=cuda`` runs the same servers on a GPU (``bash bench/gpu.sh live``): SGLang's own CUDA graphs for
+the oracle, graphpool's for the target's DECODE and TARGET_VERIFY steps, its real ``sgl_kernel`` and Triton attention,
+bfloat16; the plugin keeps only its test weights and forward counts there.
 """
 from __future__ import annotations
 
@@ -45,9 +49,19 @@ REQUEST_TIMEOUT_S = 120.0
 #: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
 #: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
 #: first requests warm it up; a warm-up costs a few seconds per start).
-BASE_ARGS = ("--load-format", "dummy", "--device", "cpu", "--host", "127.0.0.1", "--dtype", "float32",
-             "--attention-backend", "intel_amx", "--skip-server-warmup", "--max-total-tokens", "6144",
-             "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
+#: The device the tier's servers run on: ``cpu`` (CI) or ``cuda`` (the GPU run, see the module's docstring).
+DEVICE = os.environ.get("GRAPHPOOL_LIVE_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"GRAPHPOOL_LIVE_DEVICE takes cpu or cuda, got {DEVICE!r}")
+COMMON_ARGS = ("--load-format", "dummy", "--host", "127.0.0.1", "--skip-server-warmup", "--max-total-tokens", "6144",
+               "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
+#: On a GPU: bfloat16 (sgl_kernel's norms take no float32; the test weights keep greedy choices far from ties), Triton
+#: attention (FlashAttention 3, SGLang's Hopper default, is left out of the GPU carry), no grammar backend (the carry
+#: has none), a small KV pool, graphs up to 32 requests.
+DEVICE_ARGS = {"cpu": ("--device", "cpu", "--dtype", "float32", "--attention-backend", "intel_amx"),
+               "cuda": ("--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "triton",
+                        "--grammar-backend", "none", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs-decode", "32")}
+BASE_ARGS = (*COMMON_ARGS, *DEVICE_ARGS[DEVICE])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +216,12 @@ class ServerLog:
             return {}
         return {tier: (int(most), int(steps)) for tier, most, steps in re.findall(r"(\S+)=(\d+)/(\d+)", found[-1])}
 
+    def graph_captures(self) -> List[Tuple[str, float, float]]:
+        """SGLang's own lines after each graph capture (a GPU server's): (what, seconds, GB of graph memory)."""
+        return [(what, float(s), float(gb)) for what, s, gb in re.findall(
+            r"Capture (\w+(?: \w+)*?) (?:CUDA|cuda) graph end\. (?:elapsed=|Time elapsed: )([\d.]+) ?s?,? mem usage="
+            r"\s*(-?[\d.]+) ?GB", self.text)]
+
     def problems(self) -> List[str]:
         """Lines that must never appear: errors, tracebacks, SGLang's idle leak check. One traceback is SGLang's own
         and harmless: with ``--skip-server-warmup`` its HTTP server posts ``/freeze_gc`` to itself before it listens."""
@@ -241,14 +261,17 @@ def models(root: Path) -> Dict[str, Path]:
 
 
 def server_env(counts_file: Path) -> Dict[str, str]:
-    """The server's environment: the test tree's CPU stand-ins and plugin first on the path, SGLang's CPU engine."""
-    path = [HERE / "stand_ins", HERE / "plugin", ROOT / "tests" / "stubs"]
+    """The server's environment: on CPU the test tree's stand-ins and plugin first on the path, SGLang's CPU engine;
+    on a GPU the plugin alone."""
+    path = [HERE / "stand_ins", HERE / "plugin", ROOT / "tests" / "stubs"] if DEVICE == "cpu" else [HERE / "plugin"]
     # Absolute: the server runs in the log folder, and CI puts the release's folder on the path relatively.
     inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", GRAPHPOOL_NO_EXTENSION="1", GRAPHPOOL_REPLAY_LOG_EVERY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", GRAPHPOOL_LIVE_COUNTS=str(counts_file),
                PYTHONPATH=os.pathsep.join([str(p) for p in path] + inherited + [str(ROOT)]))
+    if DEVICE == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     return env
 
 

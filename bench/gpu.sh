@@ -10,7 +10,8 @@
 #                        4x2:8,4x1:4 at C = 1..128 with the float32 identity check; JSON in $OUT/decode_tiers.json
 #   hf [ARGS]            transformers: its GPU tests, then bench/hf_decode.py ARGS (docs/transformers.md)
 #   live [PYTEST ARGS]   the live tier (tests/test_live_sglang.py) on the GPU: SGLang 0.5.17 from the .sgl17 carry,
-#                        its CUDA graphs for the oracle, graphpool's for the target (GRAPHPOOL_LIVE_DEVICE=cuda)
+#                        its CUDA graphs for the oracle, graphpool's for the target (GRAPHPOOL_LIVE_DEVICE=cuda);
+#                        with ARGS, pytest ARGS beside that SGLang (e.g. -m gpu tests/test_sglang_tiers.py)
 #   sglang-live ARGS     live SGLang 0.5.17 servers from the .sgl17 carry: bench/sglang_live_v2.py ARGS
 #                        (--phase correctness|flashinfer|throughput); DEADLINE_S (550) bounds the whole call
 #   sglang-classic ARGS  live SGLang 0.5.12.post1 servers from the .sgl carry: bench/sglang_live.py ARGS
@@ -156,8 +157,9 @@ live)
   : > "$LOG"; machine
   sglang_setup "$PWD/.sgl17" "${SGL_RUN_DIR:-$TMP/gp-live.sgl17}"
   export GRAPHPOOL_LIVE_DEVICE=cuda GRAPHPOOL_NO_EXTENSION=1
-  stage "live tier on CUDA (SGLang 0.5.17)" ${LIVE_LIMIT:-560} python3 -m pytest -q -rs -s -p no:cacheprovider --live -m live \
-    --basetemp "$OUT/live" "${@:-tests/test_live_sglang.py}"
+  [ $# -gt 0 ] || set -- -m live tests/test_live_sglang.py
+  stage "live tier on CUDA (SGLang 0.5.17): $*" ${LIVE_LIMIT:-560} python3 -m pytest -q -rs -s -p no:cacheprovider --live \
+    --basetemp "$OUT/live" "$@"
   grep -E "^live |^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$LOG" | tail -20 ;;
 sglang-live|sglang-classic)
   DEADLINE_S=${DEADLINE_S:-550}

@@ -21,14 +21,14 @@ SETTINGS = [pytest.param("cpu", {"backend": "eager"}, id="cpu-dynamo"),
             pytest.param("cuda", True, id="cuda-inductor", marks=pytest.mark.gpu)]
 
 
-def generate(model: torch.nn.Module, compile, **options) -> tfm.GenerationResult:
-    generator = tfm.PoolGenerator(model, max_len=48, max_batch=3, batch_sizes=(1, 2, 4), num_draft_tokens=3,
-                                  compile=compile)
-    try:  # prompt lookup while <= 2 requests run: both modes' graphs serve
-        return generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[], seed=7,
-                                  policy=gp.SpeculationPolicy(off_above=2), **options)
-    finally:
-        generator.close()
+def generator(model: torch.nn.Module, compile) -> tfm.PoolGenerator:
+    return tfm.PoolGenerator(model, max_len=48, max_batch=3, batch_sizes=(1, 2, 4), num_draft_tokens=3, compile=compile)
+
+
+def generate(generator: tfm.PoolGenerator, **options) -> tfm.GenerationResult:
+    # prompt lookup while <= 2 requests run: both modes' graphs serve
+    return generator.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[], seed=7,
+                              policy=gp.SpeculationPolicy(off_above=2), **options)
 
 
 @pytest.fixture(autouse=True)
@@ -40,22 +40,24 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("device,compile", SETTINGS)
-def test_compiled_steps_keep_generate_tokens(device: str, compile):
+def test_compiled_steps_keep_generate_tokens_and_sample_as_the_eager_step(device: str, compile):
+    """Greedy, then sampled on the same compiled generator (the settings are step inputs: no new compile)."""
     model = tiny_model("llama", device)
-    result = generate(model, compile, do_sample=False)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the steps did go through the compiler
-    assert result.tokens == reference(model, PROMPTS, MAX_NEW, [])
-    assert {s.mode for s in result.steps} == {"decode", "verify"} and result.misses == 0
-
-
-@pytest.mark.parametrize("device,compile", SETTINGS)
-def test_compiled_sampling_draws_what_the_eager_step_draws(device: str, compile):
-    model = tiny_model("qwen3", device)
-    sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
-    want = generate(model, False, **sampled)
-    got = generate(model, compile, **sampled)
-    assert got.tokens == want.tokens and got.steps_by_mode == want.steps_by_mode
-    assert got.tokens != generate(model, False, do_sample=False).tokens  # the sampled run did sample
+    compiled, eager = generator(model, compile), generator(model, False)
+    try:
+        greedy = generate(compiled, do_sample=False)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs > 0  # the steps did go through the compiler
+        assert greedy.tokens == reference(model, PROMPTS, MAX_NEW, [])
+        assert {s.mode for s in greedy.steps} == {"decode", "verify"} and greedy.misses == 0
+        sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+        got, want = generate(compiled, **sampled), generate(eager, **sampled)
+        assert got.tokens == want.tokens and got.steps_by_mode == want.steps_by_mode
+        assert got.tokens != greedy.tokens  # the sampled run did sample
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # and compiled nothing new
+    finally:
+        compiled.close()
+        eager.close()
 
 
 @pytest.mark.parametrize("bad", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 def install() -> None:
     """SGLang's plugin entry point (``load_plugins()``: the launcher, then each scheduler process)."""
     if multiprocessing.parent_process() is None:
-        _keep_intel_amx()
+        if os.environ.get("GRAPHPOOL_LIVE_DEVICE", "cpu") == "cpu":
+            _keep_intel_amx()
     else:
         _serve_target_steps_with_graphpool()
         _decisive_dummy_weights()
@@ -64,13 +65,13 @@ def _serve_target_steps_with_graphpool() -> None:
     import time
 
     from sglang.srt import utils
+
+    if not utils.is_cpu():  # a GPU server (GRAPHPOOL_LIVE_DEVICE=cuda) builds its graph runners itself
+        return
     from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend
     from sglang.srt.model_executor import model_runner as model_runner_module
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
-
-    if not utils.is_cpu():
-        return
     original = cuda_graph_setup.capture_decode_graph
 
     def capture_decode_graph(*, model_runner):

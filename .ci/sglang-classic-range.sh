@@ -20,6 +20,6 @@ for version in 0.5.9 0.5.10.post1 0.5.11 0.5.13.post1; do
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$version" ] || { echo "range: $target holds SGLang $found, not $version"; rc=1; continue; }
     echo "range: SGLang $version"
-    PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 python -m pytest -q -p no:cacheprovider $TESTS || rc=1
+    PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 python -m pytest -q --durations=15 -p no:cacheprovider $TESTS || rc=1
 done
 exit "$rc"

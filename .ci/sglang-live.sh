@@ -37,7 +37,7 @@ for release in $LIVE; do
     target="$RANGE/$release"
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$release" ] || { echo "live tier: $target holds SGLang $found, not $release"; rc=1; continue; }
-    ( PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s -p no:cacheprovider --live -m live \
+    ( PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s --durations=15 -p no:cacheprovider --live -m live \
         --basetemp "$RANGE/tmp-$release" tests/test_live_sglang.py > "$target.log" 2>&1 ) &
     pids+=("$!:$release")
 done

@@ -44,10 +44,13 @@ START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
 REQUEST_TIMEOUT_S = 120.0
 #: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
 #: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
-#: first requests warm it up; a warm-up costs a few seconds per start).
+#: first requests warm it up; a warm-up costs a few seconds per start), and ``--sleep-on-idle``: without it SGLang's
+#: scheduler spins a whole core while it has no request (its idle checks, the KV-leak one included, still run on
+#: each wake-up; a request wakes it at once), which on CI's 2 cores took the CPU from the tier's other server and
+#: from CI's other lanes.
 BASE_ARGS = ("--load-format", "dummy", "--device", "cpu", "--host", "127.0.0.1", "--dtype", "float32",
              "--attention-backend", "intel_amx", "--skip-server-warmup", "--max-total-tokens", "6144",
-             "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
+             "--max-running-requests", "32", "--disable-overlap-schedule", "--sleep-on-idle", "--log-level", "info")
 
 
 @dataclasses.dataclass(frozen=True)

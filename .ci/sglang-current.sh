@@ -46,8 +46,8 @@ for release in $RELEASES; do
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$release" ] || { echo "runner API: $target holds SGLang $found, not $release"; rc=1; continue; }
     # shellcheck disable=SC2086
-    ( PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 python -m pytest -q -ra -p no:cacheprovider \
-        $TESTS ${LEAVE_OUT[$release]:-} > "$target.log" 2>&1 ) &
+    ( PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=15 \
+        -p no:cacheprovider $TESTS ${LEAVE_OUT[$release]:-} > "$target.log" 2>&1 ) &
     pids+=("$!:$release")
 done
 for entry in "${pids[@]}"; do

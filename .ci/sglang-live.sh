@@ -6,8 +6,10 @@
 # else one made here the same way. Each release goes into a folder of its own (.sgl-live/<release>, pip --target,
 # without dependencies): the release and what it pins differently (.ci/sglang-current-requirements.txt), and what its
 # server needs on CPU (.ci/sglang-live-requirements.txt); that folder goes first on PYTHONPATH. The sgl_kernel CPU ops
-# and torchvision are stand-ins in the test tree. The releases' tests run side by side (each server's scheduler is one
-# busy process; the tests wait on it).
+# and torchvision are stand-ins in the test tree. The releases' tests run one after the other: side by side, on 2
+# cores beside CI's other jobs, one server's HTTP side sometimes got a wave's requests to its scheduler so far apart
+# that it never ran more than 4 at once, and the switch's or the tiers' checks failed (in 2 CI runs of 6, on 0.5.17).
+# Alone, a server has a core for its scheduler and one for its HTTP side (CI runs the other jobs at nice 10).
 # Usage: bash .ci/sglang-live.sh [RELEASE ...]   (from the repository root; exits non-zero if a release failed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,22 +34,21 @@ wait
 echo "ci: live-tier releases installed in $((SECONDS - started)) s"
 
 rc=0
-pids=()
-for release in $LIVE; do
+for release in $LIVE; do  # one release after the other (see the header)
     target="$RANGE/$release"
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$release" ] || { echo "live tier: $target holds SGLang $found, not $release"; rc=1; continue; }
-    ( PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s -p no:cacheprovider --live -m live \
-        --basetemp "$RANGE/tmp-$release" tests/test_live_sglang.py > "$target.log" 2>&1 ) &
-    pids+=("$!:$release")
-done
-for entry in "${pids[@]}"; do
-    pid=${entry%%:*} release=${entry#*:}
-    if wait "$pid"; then status=passed; else status=FAILED; rc=1; fi
-    echo "live tier: SGLang $release $status: $(tail -n 1 "$RANGE/$release.log")"
-    grep -E "^live |^SKIPPED" "$RANGE/$release.log" || true
+    t0=$SECONDS
+    if PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s --durations=15 -p no:cacheprovider --live \
+        -m live --basetemp "$RANGE/tmp-$release" tests/test_live_sglang.py > "$target.log" 2>&1; then
+        status=passed
+    else
+        status=FAILED rc=1
+    fi
+    echo "live tier: SGLang $release $status in $((SECONDS - t0)) s: $(tail -n 1 "$target.log")"
+    grep -E "^live |^SKIPPED" "$target.log" || true
     if [ "$status" != passed ]; then
-        cat "$RANGE/$release.log"
+        cat "$target.log"
         for log in "$RANGE/tmp-$release"/*/*.log; do  # each server's own log, its end
             [ -f "$log" ] && { echo "----- $log (last 40 lines)"; tail -n 40 "$log"; }
         done

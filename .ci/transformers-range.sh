@@ -41,6 +41,6 @@ for version in "${versions[@]}"; do
     tests=$ALL
     [ "$version" = 5.17.0 ] && tests=$BETWEEN
     echo "transformers range: $version"
-    PYTHONPATH="$target" python -m pytest -q -p no:cacheprovider --runslow $tests || rc=1
+    PYTHONPATH="$target" python -m pytest -q --durations=15 -p no:cacheprovider --runslow $tests || rc=1
 done
 exit "$rc"

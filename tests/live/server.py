@@ -48,13 +48,16 @@ START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
 REQUEST_TIMEOUT_S = 120.0
 #: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
 #: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
-#: first requests warm it up; a warm-up costs a few seconds per start).
+#: first requests warm it up; a warm-up costs a few seconds per start), and ``--sleep-on-idle``: without it SGLang's
+#: scheduler spins a whole core while it has no request (its idle checks, the KV-leak one included, still run on
+#: each wake-up; a request wakes it at once), which on CI's 2 cores took the CPU from the tier's other server and
+#: from CI's other lanes.
 #: The device the tier's servers run on: ``cpu`` (CI) or ``cuda`` (the GPU run, see the module's docstring).
 DEVICE = os.environ.get("GRAPHPOOL_LIVE_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"GRAPHPOOL_LIVE_DEVICE takes cpu or cuda, got {DEVICE!r}")
 COMMON_ARGS = ("--load-format", "dummy", "--host", "127.0.0.1", "--skip-server-warmup", "--max-total-tokens", "6144",
-               "--max-running-requests", "32", "--disable-overlap-schedule", "--log-level", "info")
+               "--max-running-requests", "32", "--disable-overlap-schedule", "--sleep-on-idle", "--log-level", "info")
 #: On a GPU: bfloat16 (sgl_kernel's norms take no float32; the test weights keep greedy choices far from ties), Triton
 #: attention (FlashAttention 3, SGLang's Hopper default, is left out of the GPU carry), no grammar backend (the carry
 #: has none), a small KV pool, graphs up to 32 requests.

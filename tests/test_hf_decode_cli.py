@@ -42,6 +42,20 @@ def test_smoke_run_writes_json_csv_png_and_the_table_last(tmp_path, capsys):
 
 
 @needs_transformers
+def test_sampled_smoke_run_samples_every_variant_and_compares_no_tokens(tmp_path, capsys):
+    """--sample: every variant samples (the smoke model's tokens then differ from a greedy run's), and no row is
+    compared with (a)'s."""
+    out = tmp_path / "hf"
+    assert hf_decode.main(["--smoke", "--sample", "--batch-sizes", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["sampled"] is True and data["meta"]["choice"]["do_sample"] is True
+    runs = [r for r in data["results"] if r["tokens_per_s"]]
+    assert {r["variant"] for r in runs} >= {"hf-eager", "gp-plain", "gp-lookup"}
+    assert all(r["match_vs_eager"] is None for r in runs)
+    assert "every variant sampled" in capsys.readouterr().out
+
+
+@needs_transformers
 @pytest.mark.parametrize("tiers, message", [("2:x", "is not DRAFTS:OFF_ABOVE"), ("4:1", "raise --draft-tokens"),
                                             ("1:1,2:2", "longest draft first")])
 def test_bad_tiers_stop_before_any_work(tiers: str, message: str, capsys):

@@ -89,6 +89,8 @@ sglang_setup() {
       "$site/sgl_kernel/elementwise.py" "$site/sgl_kernel/sampling.py"
   ) > "$OUT/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$OUT/setup.log"; exit 1; }
   export PYTHONPATH=$site:$gp HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRAPHPOOL_NO_EXTENSION=1
+  # the deep_gemm stand-in imports, so SGLang would take DeepGEMM on sm90+: keep its JIT off (no DeepGEMM here)
+  export SGLANG_ENABLE_JIT_DEEPGEMM=0
   export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-$run/tvmffi-cache} FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$run}
   python3 - >> "$OUT/setup.log" 2>&1 <<'PY' || { echo "SGLang does not import:"; tail -5 "$OUT/setup.log"; exit 1; }
 import importlib.metadata as md, torch
@@ -159,7 +161,9 @@ live)
   export GRAPHPOOL_LIVE_DEVICE=cuda GRAPHPOOL_NO_EXTENSION=1
   [ $# -gt 0 ] || set -- -m live tests/test_live_sglang.py
   stage "live tier on CUDA (SGLang 0.5.17): $*" ${LIVE_LIMIT:-560} python3 -m pytest -q -rs -s -p no:cacheprovider --live \
-    --basetemp "$OUT/live" "$@"
+    --basetemp "$TMP/gp-live-tests" "$@"
+  # the servers' logs and counts in one file (the device tool returns few files)
+  (cd "$TMP/gp-live-tests" && find . -name '*.log' -o -name '*.json' | tar -czf "$OUT/live-logs.tar.gz" -T -)
   grep -E "^live |^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$LOG" | tail -20 ;;
 sglang-live|sglang-classic)
   DEADLINE_S=${DEADLINE_S:-550}

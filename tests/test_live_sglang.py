@@ -292,9 +292,13 @@ def adaptive_step0_and_one_pool(server: LiveServer, oracle: Dict[str, object], c
 @pytest.mark.gpu
 def test_adaptive_graph_memory_and_capture_time_against_stock(work, oracle):
     """(4a) on a GPU: SGLang's ``--speculative-adaptive`` (:data:`ADAPTIVE_TABLE`, EAGLE3) served by SGLang's own graph
-    runners and by graphpool's one pool, same flags: the same tokens as the oracle, graphpool's DECODE graphs captured
-    once, and each server's graph memory and capture time as SGLang logs them (its ``Capture ... CUDA graph end``
-    lines: target, draft and draft-extend runners of every adaptive state)."""
+    runners and by graphpool's one pool, same flags: each server's graph memory and capture time as SGLang logs them
+    (its ``Capture ... CUDA graph end`` lines: target, draft and draft-extend runners of every adaptive state), and
+    graphpool's server serving the oracle's tokens with its DECODE graphs captured once.
+
+    The stock server only captures: SGLang 0.5.17's own step 0 on CUDA dies on its first switch to it (its verify
+    hands ``verify_tree_greedy`` int32 candidates where the kernel wants int64; seen on an H100, 2026-12-05), where
+    graphpool runs step 0 as plain DECODE with no verify at all."""
     table = work / "adaptive.json"
     table.write_text(json.dumps(ADAPTIVE_TABLE))
     args = (*CONFIGS["eagle3"][:CONFIGS["eagle3"].index(SWITCH[0])], "--speculative-adaptive",
@@ -302,10 +306,11 @@ def test_adaptive_graph_memory_and_capture_time_against_stock(work, oracle):
     figures = {}
     for name, graphpool in (("stock", False), ("graphpool", True)):
         with LiveServer.start(args, work, name=f"adaptive-{name}", graphpool=graphpool) as server:
-            outs = server.client.generate_many(same_length_wave())
-            same_tokens(outs, oracle["flat"], f"adaptive, {name}'s runners")
-            for k, requests in enumerate(ramp_waves()[:3]):
-                same_tokens(server.client.generate_many(requests), oracle["ramp"][k], f"adaptive, {name}, wave {k}")
+            if graphpool:
+                outs = server.client.generate_many(same_length_wave())
+                same_tokens(outs, oracle["flat"], f"adaptive, {name}'s runners")
+                for k, requests in enumerate(ramp_waves()[:3]):
+                    same_tokens(server.client.generate_many(requests), oracle["ramp"][k], f"adaptive, {name}, wave {k}")
             server.check_health()
             log = server.log()
             assert not log.problems(), f"{name} server log: {log.problems()[:3]}"

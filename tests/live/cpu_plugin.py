@@ -25,6 +25,11 @@ entry point, declared in ``plugin/`` beside it), changes exactly that, test-side
   Every server of the tier (the oracle included) loads the same weights.
 * in the scheduler processes, for the tests: every model forward is counted by model (target, draft) and forward
   mode into the JSON file ``GRAPHPOOL_LIVE_COUNTS`` names (what shows that a plain step does no draft work).
+* on a GPU (``GRAPHPOOL_LIVE_DEVICE=cuda``), in the scheduler processes: SGLang's platform ops (norms, activation,
+  rotary embedding) take their plain-torch paths. The GPU tier runs in float32, as the CPU tier does, because in
+  bfloat16 a verify step's rounding differs from a decode step's and flips greedy tokens of the random model
+  (SGLang's own speculation then differs from its plain decode; an H100 showed it, 2026-12-05), and sgl_kernel's
+  fused norms take no float32. Every server of the tier, the oracle included, runs the same ops.
 * in the launcher process: SGLang's argument resolution is told the CPU has AMX tiles, so it keeps ``intel_amx``
   (EAGLE's CPU draft backends exist for it only) instead of falling back to ``torch_native``. The server processes
   keep the true answer, so the layers take their plain-torch paths.
@@ -46,6 +51,7 @@ def install() -> None:
             _keep_intel_amx()
     else:
         _serve_target_steps_with_graphpool()
+        _plain_torch_ops_on_gpu()
         _decisive_dummy_weights()
         _count_forwards(os.environ.get("GRAPHPOOL_LIVE_COUNTS"))
 
@@ -95,6 +101,23 @@ def _serve_target_steps_with_graphpool() -> None:
     IntelAMXAttnBackend.init_forward_metadata_in_graph = lambda self, fb: None
     IntelAMXAttnBackend.forward_extend = _verify_with_draft_lengths(IntelAMXAttnBackend.forward_extend)
     log.info("graphpool live tier: CPU target steps served by the decode runner SGLang builds")
+
+
+def _plain_torch_ops_on_gpu() -> None:
+    from sglang.srt import utils
+
+    if utils.is_cpu():
+        return
+    from sglang.srt.layers.utils import MultiPlatformOp
+
+    original = MultiPlatformOp.dispatch_forward
+
+    def dispatch_forward(self):
+        has_native = type(self).forward_native is not MultiPlatformOp.forward_native
+        return self.forward_native if has_native else original(self)
+
+    MultiPlatformOp.dispatch_forward = dispatch_forward
+    log.info("graphpool live tier: SGLang's platform ops on their plain-torch paths (float32 on the GPU)")
 
 
 def _verify_with_draft_lengths(forward_extend):

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.live import logs, workloads  # noqa: E402
 from bench.live.client import Request, check, run_phase, wait_healthy  # noqa: E402
 from bench.live.report import ConfigResult, greedy_match  # noqa: E402
-from bench.live.servers import Server, ServerSpec, parse_cpus  # noqa: E402
+from bench.live.servers import Server, ServerSpec, free_port, parse_cpus  # noqa: E402
 from bench.live.window import Window, run_window, summary  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +46,7 @@ PHASES = ("correctness", "flashinfer", "throughput")
 GP, SGL = "graphpool.integrations.sglang.launch", "sglang.launch_server"
 OFF_ABOVE, ON_AT = 16, 12
 CONCURRENCY = (1, 8, 32)
+ROUNDS = 2           # throughput: timed windows per server and concurrency
 MAX_TOKENS = 16384   # KV pool per server: 32 requests of <= 280 tokens need about 9k
 STATIC_GIB = 26      # weights (16.1 GiB), an EAGLE3 draft (2.6), KV (2.2) and margin, per resident server
 
@@ -118,6 +119,7 @@ class Outcome:
 
     result: ConfigResult
     windows: List[Window] = field(default_factory=list)
+    url: str = ""  # where it served (its port may have moved past one taken)
 
 
 class Bench:
@@ -139,7 +141,8 @@ class Bench:
 
     # ------------------------------------------------------------------------------- servers
     def start(self, cfg: Config, port: int, extra: Optional[List[str]] = None) -> Optional[Server]:
-        """Start a server and wait for /health; None (status noted) when it does not come up in time."""
+        """Start a server on ``port`` (or the next free one: its URL goes to ``self.out[cfg.name].url``) and wait
+        for /health; None (status noted) when it does not come up in time."""
         res = ConfigResult(cfg.name, cfg.title)
         self.out[cfg.name] = Outcome(res)
         budget = self.a.start_s * (1.6 if self.started == 0 else 1.0)
@@ -147,6 +150,17 @@ class Bench:
             res.status = f"skipped ({self.left():.0f}s left)"
             self.say(f"{cfg.name}: {res.status}")
             return None
+        # A port held by any socket of the machine (another server, or an outgoing connection that drew it as its
+        # ephemeral port) would make the server die at its bind and lose the config's measurements.
+        free = free_port(port)
+        if free is None:
+            res.status = "no free port"
+            self.say(f"{cfg.name}: port {port} and those above it are all in use: not started")
+            return None
+        if free != port:
+            res.notes.append(f"port {port} in use: served on {free}")
+            self.say(f"{cfg.name}: port {port} in use, serving on {free} instead")
+        port, self.out[cfg.name].url = free, f"http://127.0.0.1:{free}"
         args = cfg.args + (extra or []) + ["--port", str(port)]
         # A dry run's stand-in serves every config: it is told which ones graphpool's launcher would serve.
         env = {"FAKE_SERVER_GRAPHPOOL": "1"} if self.a.server_module and cfg.module == GP else {}
@@ -154,10 +168,12 @@ class Bench:
         server = Server(spec, self.a.python, os.path.abspath(os.path.join(self.a.out, f"{cfg.name}.log")), self.env,
                         cwd=self.a.server_cwd, cpus=self.a.cpus)
         self.say(f"{cfg.name}: starting ({cfg.title})")
-        res.start_s = wait_healthy(f"http://127.0.0.1:{port}", server.alive, min(budget, self.left() - 15))
+        res.start_s = wait_healthy(self.out[cfg.name].url, server.alive, min(budget, self.left() - 15))
         if res.start_s is None:
             res.status = "did not start" if not server.alive() else "start timeout"
             self.stop(cfg.name, server)
+            last = server.log_text().strip().splitlines()[-1:]
+            res.notes.append(f"its log ends: {last[0][:200] if last else '(empty)'}")
             return None
         self.started += 1
         res.status = "served"
@@ -198,7 +214,7 @@ class Bench:
             server = self.start(cfg, self.a.port + i)
             if server is None:
                 continue
-            url = f"http://127.0.0.1:{self.a.port + i}"
+            url = self.out[cfg.name].url
             try:
                 if self.phase("warm", url, cfg, workloads.warmup(), 8):
                     for k, (c, reqs) in enumerate(workloads.ramp(scale, abort_every=3 if self.a.quick else 7)):
@@ -215,7 +231,7 @@ class Bench:
         server = self.start(cfg, port)
         if server is None:
             return
-        url = f"http://127.0.0.1:{port}"
+        url = self.out[cfg.name].url
         try:
             self.phase("warm", url, cfg, workloads.warmup(), 8)
             seconds = 0.5 if self.a.quick else 15.0
@@ -227,25 +243,27 @@ class Bench:
 
     def run_throughput(self, configs: List[Config]) -> None:
         """Every server resident (started in turn, each taking its share of the free memory), then windows in
-        turn: for each C, round 1 A/B/C/D, round 2 A/B/C/D."""
+        turn: for each C, round 1 A/B/C/D, round 2 A/B/C/D. A window not measured is noted with its reason."""
         servers: Dict[str, Server] = {}
-        ports = {cfg.name: self.a.port + i for i, cfg in enumerate(configs)}
         try:
-            for cfg in configs:
+            for i, cfg in enumerate(configs):
                 fraction = self.mem_fraction()
                 cfg.args[cfg.args.index("--mem-fraction-static") + 1] = f"{fraction:.3f}"
-                server = self.start(cfg, ports[cfg.name])
+                server = self.start(cfg, self.a.port + i)
                 if server is not None:
                     servers[cfg.name] = server
-                    self.phase("warm", f"http://127.0.0.1:{ports[cfg.name]}", cfg, workloads.warmup(), 8)
+                    self.phase("warm", self.out[cfg.name].url, cfg, workloads.warmup(), 8)
             seconds = 0.15 if self.a.quick else self.a.window_s
             for c in CONCURRENCY:
-                for r in range(2):
+                for r in range(ROUNDS):
                     for cfg in configs:
-                        if cfg.name not in servers or self.left() < seconds + 25:
+                        if cfg.name not in servers:
+                            continue  # its status says why
+                        if self.left() < seconds + 25:
+                            self.out[cfg.name].result.notes.append(f"C={c} round {r + 1} not measured: deadline")
                             continue
                         max_new = 64 if c == 1 else 128
-                        win = run_window(f"http://127.0.0.1:{ports[cfg.name]}", cfg.name, c, seconds,
+                        win = run_window(self.out[cfg.name].url, cfg.name, c, seconds,
                                          lambda rid, n=max_new: Request(rid, workloads.prompt(rid), n), round_no=r)
                         self.out[cfg.name].windows.append(win)
                         self.say(f"{cfg.name}: C={c} round {r + 1}: {win.tok_s:.0f} tok/s, {len(win.answers)} requests "
@@ -360,6 +378,18 @@ class Bench:
                 out.append(f"[{'PASS' if ratio >= 0.97 else 'FAIL'}] C={c} graphpool switch {ratio:.3f}x the better "
                            f"stock "
                            f"({gs['median']:.0f} vs {best['median']:.0f} tok/s)")
+        return out + self.missing_windows()
+
+    def missing_windows(self) -> List[str]:
+        """One line per server short of a window: which ones, and why (its status, or the deadline)."""
+        out = []
+        for name, o in self.out.items():
+            have = {(w.concurrency, w.round) for w in o.windows}
+            gone = [f"C={c} round {r + 1}" for c in CONCURRENCY for r in range(ROUNDS) if (c, r) not in have]
+            if gone:
+                why = "; ".join(([] if o.result.status == "served" else [o.result.status]) + o.result.notes)
+                out.append(f"[MISSING] {name}: {len(gone)} of {len(CONCURRENCY) * ROUNDS} windows not measured "
+                           f"({', '.join(gone)}): {why}")
         return out
 
     def write(self, phase: str, text: str) -> None:

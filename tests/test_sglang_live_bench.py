@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -214,10 +215,22 @@ def test_runner_api_bench_dry_run_of_a_phase(tmp_path, phase):
     mid-stream, the adaptive side by side (flashinfer phase; it shares the ramp code with correctness), the
     resident A/B/C/D windows (throughput); the table comes last, the files fit what the GPU machine returns."""
     out = tmp_path / phase
+    # Ports below Linux's ephemeral range (32768-60999), which any outgoing connection on the machine draws from: a
+    # port held so made a stand-in die at its bind and its config lose all its windows (CI, once).
+    port = 32700 if phase == "flashinfer" else 32740
     cmd = [sys.executable, os.path.join(ROOT, "bench", "sglang_live_v2.py"), "--phase", phase, "--quick",
            "--server-module", "tests.live_fake_server", "--deadline-s", "200", "--start-s", "20", "--out", str(out),
-           "--port", "32700" if phase == "flashinfer" else "32800"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+           "--port", str(port)]
+    # throughput: the third server's port is taken (held here, or by whatever holds it already): it serves on another
+    try:
+        held = socket.create_server(("127.0.0.1", port + 2)) if phase == "throughput" else None
+    except OSError:
+        held = None
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    finally:
+        if held is not None:
+            held.close()
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     summary = (out / f"summary_{phase}.txt").read_text()
     assert p.stdout.rstrip().endswith(summary.rstrip()), "the table is printed last"
@@ -235,4 +248,29 @@ def test_runner_api_bench_dry_run_of_a_phase(tmp_path, phase):
         assert len(re.findall(r"^\[(?:PASS|FAIL)\] C=(?:1|8|32) graphpool", summary, re.M)) == 6, summary
         windows = [w for c in data["configs"].values() for w in c["windows"]]
         assert sorted({(w["config"], w["concurrency"], w["round"]) for w in windows}) == sorted(
-            (name, c, r) for name in ("stock", "gp-nospec", "stock-spec", "gp-switch") for c in (1, 8, 32) for r in (0, 1))
+            (name, c, r) for name in ("stock", "gp-nospec", "stock-spec", "gp-switch") for c in (1, 8, 32) for r in (0, 1)
+        ), summary
+        assert "[MISSING]" not in summary, summary
+        assert re.fullmatch(rf"port {port + 2} in use: served on \d+", data["configs"]["stock-spec"]["notes"][0]), \
+            data["configs"]["stock-spec"]["notes"]
+
+
+def test_runner_api_bench_names_every_window_it_did_not_measure():
+    """The throughput table names each window it lacks and why (a server that did not start, the deadline): a
+    config missing from the comparison is never silent."""
+    from bench.live.report import ConfigResult
+    from bench.live.window import Window
+    from bench.sglang_live_v2 import Bench, Outcome
+
+    every = [(c, r) for c in (1, 8, 32) for r in (0, 1)]
+    bench = Bench(SimpleNamespace(deadline_s=100.0))
+    bench.out = {
+        "stock": Outcome(ConfigResult("stock", "", "served"), [Window("stock", c, r) for c, r in every]),
+        "stock-spec": Outcome(ConfigResult("stock-spec", "", "did not start",
+                                           notes=["its log ends: OSError: [Errno 98] Address already in use"])),
+        "gp-switch": Outcome(ConfigResult("gp-switch", "", "served", notes=["C=32 round 2 not measured: deadline"]),
+                             [Window("gp-switch", c, r) for c, r in every[:-1]])}
+    assert [line for line in bench.throughput_table() if line.startswith("[MISSING]")] == [
+        "[MISSING] stock-spec: 6 of 6 windows not measured (C=1 round 1, C=1 round 2, C=8 round 1, C=8 round 2, "
+        "C=32 round 1, C=32 round 2): did not start; its log ends: OSError: [Errno 98] Address already in use",
+        "[MISSING] gp-switch: 1 of 6 windows not measured (C=32 round 2): C=32 round 2 not measured: deadline"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,22 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def free_port(port: int, tries: int = 20, host: str = "127.0.0.1") -> Optional[int]:
+    """The first of ``port``, ``port + 1``, ... (``tries`` of them) that a server could listen on now, bound as HTTP
+    servers bind (``SO_REUSEADDR``: the TIME_WAIT left by a stopped server's own connections does not count); None
+    when all are taken. Any socket holding the port blocks a listener there: a server's, or an outgoing connection
+    of any process that drew it as its ephemeral port (TIME_WAIT keeps that one for 60 s after it closed)."""
+    for candidate in range(port, port + tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+            return candidate
+    return None
 
 
 def parse_cpus(text: str) -> Set[int]:

@@ -12,6 +12,7 @@
 #   live [PYTEST ARGS]   the live tier (tests/test_live_sglang.py) on the GPU: SGLang 0.5.17 from the .sgl17 carry,
 #                        its CUDA graphs for the oracle, graphpool's for the target (GRAPHPOOL_LIVE_DEVICE=cuda);
 #                        with ARGS, pytest ARGS beside that SGLang (e.g. -m gpu tests/test_sglang_tiers.py)
+#                        (a fresh machine needs two calls for the tier: -k 'not standalone', then -k standalone)
 #   sglang-live ARGS     live SGLang 0.5.17 servers from the .sgl17 carry: bench/sglang_live_v2.py ARGS
 #                        (--phase correctness|flashinfer|throughput); DEADLINE_S (550) bounds the whole call
 #   sglang-classic ARGS  live SGLang 0.5.12.post1 servers from the .sgl carry: bench/sglang_live.py ARGS

@@ -535,3 +535,35 @@ def test_the_switch_says_once_where_it_does_not_act(caplog):
     assert len(warnings) == 1 and "does not drive" in warnings[0]
     v2.uninstall_speculation_switch()
     assert MultiLayerEagleWorkerV2.forward_batch_generation is own
+
+
+def test_a_standalone_draft_input_with_hidden_states_loses_rows_in_a_merge():
+    """The SGLang fact behind the live tier's (d) on a GPU (``STANDALONE_GPU_ENV`` in tests/test_live_sglang.py):
+    SGLang's draft-extend CUDA graph leaves a STANDALONE running batch with draft hidden states, where a STANDALONE
+    prefill brings none; ``EagleDraftInput.merge_batch`` then keeps the running rows' hidden states alone, and the
+    scheduler's next filter gathers rows that are not there (a device-side assert on an H100, run BN). EAGLE's
+    prefills bring hidden states, so its merge keeps every row. Fails once SGLang merges such inputs row for row:
+    then the live tier's draft-extend graphs can come back on for (d)."""
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    def draft_input(hidden):
+        return EagleDraftInput(topk_p=torch.ones(1, 1), topk_index=torch.zeros(1, 1, dtype=torch.int64),
+                               hidden_states=hidden, bonus_tokens=torch.zeros(1, dtype=torch.int32))
+
+    def merged(running_hidden, prefill_hidden):
+        running = draft_input(running_hidden)  # one request, which has finished
+        for _ in range(2):  # two prefills join it before the scheduler filters the finished one out
+            running.merge_batch(draft_input(prefill_hidden))
+        return running
+
+    # the scheduler's filter of a running batch: 0.5.14 tells it the batch was not filtered by the verify yet
+    unfiltered = {"has_been_filtered": False} if "has_been_filtered" in inspect.signature(
+        EagleDraftInput.filter_batch).parameters else {}
+    eagle = merged(torch.zeros(1, 8), torch.zeros(1, 8))
+    eagle.filter_batch(torch.tensor([1, 2]), **unfiltered)
+    assert tuple(eagle.hidden_states.shape) == (2, 8) and eagle.topk_index.shape[0] == 2
+
+    standalone = merged(torch.zeros(1, 8), None)  # a draft-extend graph's output, then STANDALONE prefills
+    assert standalone.topk_index.shape[0] == 3 and tuple(standalone.hidden_states.shape) == (1, 8)
+    with pytest.raises(IndexError):
+        standalone.filter_batch(torch.tensor([1, 2]), **unfiltered)

@@ -36,7 +36,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tests.live.models import make_models
 
@@ -264,9 +264,9 @@ def models(root: Path) -> Dict[str, Path]:
     return {name: root / name for name in ("target", "eagle", "eagle3")}
 
 
-def server_env(counts_file: Path) -> Dict[str, str]:
+def server_env(counts_file: Path, extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """The server's environment: on CPU the test tree's stand-ins and plugin first on the path, SGLang's CPU engine;
-    on a GPU the plugin alone."""
+    on a GPU the plugin alone; then ``extra``."""
     path = [HERE / "stand_ins", HERE / "plugin", ROOT / "tests" / "stubs"] if DEVICE == "cpu" else [HERE / "plugin"]
     # Absolute: the server runs in the log folder, and CI puts the release's folder on the path relatively.
     inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -276,6 +276,7 @@ def server_env(counts_file: Path) -> Dict[str, str]:
                PYTHONPATH=os.pathsep.join([str(p) for p in path] + inherited + [str(ROOT)]))
     if DEVICE == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.update(extra or {})
     return env
 
 
@@ -289,9 +290,11 @@ class LiveServer:
 
     @classmethod
     def start(cls, args: Sequence[str], log_dir: Path, *, name: str = "server", graphpool: bool = True,
-              model_root: Optional[Path] = None, timeout: float = START_TIMEOUT_S) -> "LiveServer":
-        """Start a server on the tiny target with :data:`BASE_ARGS` plus ``args``, through graphpool's launcher
-        (``graphpool=False``: SGLang's own ``launch_server``, the oracle), and wait for ``/health``.
+              model_root: Optional[Path] = None, timeout: float = START_TIMEOUT_S,
+              env: Optional[Mapping[str, str]] = None) -> "LiveServer":
+        """Start a server on the tiny target with :data:`BASE_ARGS` plus ``args`` (and ``env`` in its environment),
+        through graphpool's launcher (``graphpool=False``: SGLang's own ``launch_server``, the oracle), and wait for
+        ``/health``.
 
         Raises:
             RuntimeError: the server exited, or did not answer within ``timeout`` s; the message holds its first
@@ -306,7 +309,7 @@ class LiveServer:
         started = time.monotonic()
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=server_env(counts_file), cwd=str(log_dir), start_new_session=True)
+                                       env=server_env(counts_file, env), cwd=str(log_dir), start_new_session=True)
         server = cls(process, port, log_path, counts_file)
         try:
             server._wait_ready(started + timeout)

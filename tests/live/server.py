@@ -18,7 +18,8 @@ on its ``PYTHONPATH``; SGLang itself is whatever this process imports (CI puts o
 
 ``GRAPHPOOL_LIVE_DEVICE=cuda`` runs the same servers on a GPU (``bash bench/gpu.sh live``): SGLang's own CUDA graphs for
 the oracle, graphpool's for the target's DECODE and TARGET_VERIFY steps, its real ``sgl_kernel`` and Triton attention,
-bfloat16; the plugin keeps only its test weights and forward counts there.
+float32; there the plugin keeps its test weights and forward counts and puts SGLang's norms, activation and rotary
+embedding on their torch paths (:mod:`tests.live.cpu_plugin`).
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ ROOT = HERE.parent.parent
 START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
 #: Seconds one request may take.
 REQUEST_TIMEOUT_S = 120.0
-#: Arguments every live server gets: CPU, the tiny target with random weights, float32 (greedy ties between
-#: verify and decode arithmetic would be a coin toss in bf16), SGLang's CPU attention, no warm-up request (the tests'
-#: first requests warm it up; a warm-up costs a few seconds per start), and ``--sleep-on-idle``: without it SGLang's
+#: Arguments every live server gets (beside :data:`DEVICE_ARGS`: the device, float32 since greedy ties between verify
+#: and decode arithmetic would be a coin toss in bf16, and the attention): the tiny target with random weights, no
+#: warm-up request (the tests' first requests warm it up; a warm-up costs a few seconds per start), and ``--sleep-on-idle``: without it SGLang's
 #: scheduler spins a whole core while it has no request (its idle checks, the KV-leak one included, still run on
 #: each wake-up; a request wakes it at once), which on CI's 2 cores took the CPU from the tier's other server and
 #: from CI's other lanes.

@@ -60,6 +60,25 @@ def test_compiled_steps_keep_generate_tokens_and_sample_as_the_eager_step(device
         eager.close()
 
 
+@pytest.mark.gpu
+def test_compiled_generator_samples_top_p_over_a_real_vocabulary_on_the_gpu():
+    """Llama 3's vocabulary (128256) at the benchmark's padded verify shape (32 rows of 5 tokens): Inductor splits a
+    cumsum this long, and torch 2.11 failed to generate top-p's split cumsum (run BQ: every capture of
+    ``hf_decode.py --sample --compile`` refused). The sampler stays eager; tokens equal the uncompiled generator's."""
+    model = tiny_model("llama", "cuda", vocab_size=128256)
+    make = lambda compile: tfm.PoolGenerator(model, max_len=48, max_batch=32, batch_sizes=(32,),  # noqa: E731
+                                             num_draft_tokens=4, compile=compile)
+    compiled, eager = make(True), make(False)
+    try:
+        sampled = dict(do_sample=True, temperature=0.6, top_p=0.9)
+        got, want = generate(compiled, **sampled), generate(eager, **sampled)
+        assert got.tokens == want.tokens and got.steps_by_mode == want.steps_by_mode and got.misses == 0
+        assert set(got.steps_by_mode) == {"decode", "verify"}
+    finally:
+        compiled.close()
+        eager.close()
+
+
 @pytest.mark.parametrize("bad", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
                                  {"options": {"triton.cudagraphs": True}}])
 def test_compile_modes_with_graphs_of_their_own_are_refused(bad: dict):

@@ -78,11 +78,11 @@ class PoolGenerator:
             Change it only knowingly: a wrong fill breaks padded rows (this package's tests pass one to show
             that their oracle catches it).
         progress: report capture progress on stderr.
-        compile: compile the decode and verify steps with ``torch.compile`` before the pool captures them
-            (``True``: torch's defaults; a dict: its keyword arguments, e.g. ``{"mode":
-            "max-autotune-no-cudagraphs"}``). Inductor fuses the step's small kernels and the graphs replay the
-            fused ones; the compiles happen during construction (each new step shape, until torch makes the
-            shapes dynamic). Modes that capture CUDA graphs of their own are refused: the pool captures.
+        compile: compile the model's forward in the decode and verify steps with ``torch.compile`` before the
+            pool captures them (``True``: torch's defaults; a dict: its keyword arguments, e.g. ``{"mode":
+            "max-autotune-no-cudagraphs"}``). Inductor fuses the forward's small kernels and the graphs replay the
+            fused ones; the sampler stays eager inside the graphs. The compiles happen during construction (each
+            new step shape, until torch makes the shapes dynamic). Modes that capture CUDA graphs of their own are refused: the pool captures.
 
     Raises:
         UnsupportedModelError: the model or the transformers release cannot be served (why, and the fix).

@@ -135,8 +135,9 @@ class SlotForward:
         grouped: for ``"sdpa"`` models, attend with :func:`~.attention.grouped_sdpa` (each key read once per
             key/value head, not repeated for its query heads) where attention receives nothing else it would
             compute differently; ``False`` keeps transformers' own ``sdpa``. ``"eager"`` models keep theirs.
-        compile: ``torch.compile`` keyword arguments for the decode and verify steps (``None``: eager modules);
-            :func:`compile_options` makes them. The prefill stays eager: its shapes change with every batch.
+        compile: ``torch.compile`` keyword arguments for the model's forward in the decode and verify steps
+            (``None``: eager modules); :func:`compile_options` makes them. The sampler stays eager (captured in the
+            graphs all the same), and so does the prefill: its shapes change with every batch.
     """
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, grouped: bool = True,
@@ -150,10 +151,12 @@ class SlotForward:
         self._cache_arg = cache_argument(model)
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.vocab = model.get_output_embeddings().weight.shape[0]
-        # Compiled without CUDA graphs of its own (compile_options): Inductor fuses the step's small kernels, and
+        # Compiled without CUDA graphs of its own (compile_options): Inductor fuses the forward's small kernels, and
         # the pool's capture records the fused kernels. A compile happens on a step's first new shape, which the
-        # pool's warm-up run before each capture meets first.
-        self._step = self._eager_step if compile is None else torch.compile(self._eager_step, **compile)
+        # pool's warm-up run before each capture meets first. The sampler stays eager, as under transformers'
+        # own compiled generate (the graph removes its launch costs all the same): torch 2.11's Inductor fails to
+        # generate the split scan of top-p's cumsum over a real vocabulary (128256, run BQ).
+        self._forward = self.logits if compile is None else torch.compile(self.logits, **compile)
         with torch.inference_mode():
             #: The EOS tokens that ``min_new_tokens`` suppresses (set per generation, read by the graphs).
             self.eos = torch.zeros(self.vocab, dtype=torch.bool, device=cache.device)
@@ -201,11 +204,8 @@ class SlotForward:
         # and the cache's in-place writes must never join an autograd graph (PoolGenerator also wraps its loop).
         with torch.inference_mode():
             ids, positions = x["input_ids"].view(rows, tokens), x["positions"].view(rows, tokens)
-            return {"out": self._step(ids, positions, x["slots"], x["sampling"], x["uniforms"])}
-
-    def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor,
-                    uniforms: torch.Tensor) -> torch.Tensor:
-        return self.choose(self.logits(ids, positions, slots), ids, positions, sampling, uniforms)
+            logits = self._forward(ids, positions, x["slots"])
+            return {"out": self.choose(logits, ids, positions, x["sampling"], x["uniforms"])}
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: torch.Tensor,
                 uniforms: torch.Tensor) -> torch.Tensor:

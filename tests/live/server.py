@@ -18,7 +18,7 @@ on its ``PYTHONPATH``; SGLang itself is whatever this process imports (CI puts o
 
 ``GRAPHPOOL_LIVE_DEVICE=cuda`` runs the same servers on a GPU (``bash bench/gpu.sh live``): SGLang's own CUDA graphs for
 the oracle, graphpool's for the target's DECODE and TARGET_VERIFY steps, its real ``sgl_kernel`` and Triton attention,
-float32; there the plugin keeps its test weights and forward counts and puts SGLang's norms, activation and rotary
+float32 (Triton's dots too: ``TRITON_F32_DEFAULT=ieee``); there the plugin keeps its test weights and forward counts and puts SGLang's norms, activation and rotary
 embedding on their torch paths (:mod:`tests.live.cpu_plugin`).
 """
 from __future__ import annotations
@@ -277,6 +277,12 @@ def server_env(counts_file: Path, extra: Optional[Mapping[str, str]] = None) -> 
                PYTHONPATH=os.pathsep.join([str(p) for p in path] + inherited + [str(ROOT)]))
     if DEVICE == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+    else:
+        # float32 all through: Triton's float32 dots default to TF32 on a GPU, so SGLang's Triton attention rounded
+        # a verify step (extend kernel) and a draft step (decode kernel) differently: a STANDALONE self-draft
+        # disagreed with its target on the random model's near-tied tokens (run BR: 2 of 34 requests accepted
+        # every draft, (d) needs 4; the CPU tier, exact float32, has them).
+        env["TRITON_F32_DEFAULT"] = "ieee"
     env.update(extra or {})
     return env
 

@@ -16,8 +16,9 @@ and with ``--tiers`` (speculation tiers, docs/tiers.md), after the table's varia
   (f) gp-tiers    the same pool with a verify mode per tier's draft length: a TierSchedule picks each step's
                   draft length by batch size (plain decode above the last bound); steps per tier reported
 
-graphpool's step is the model's own eager modules inside the graph; with ``--compile`` the step is compiled first
-(``torch.compile``'s defaults, no CUDA graphs of its own) and the pool captures the compiled kernels. With
+graphpool's step is the model's own eager modules inside the graph; with ``--compile`` the model's forward is compiled
+first (``torch.compile``'s defaults, no CUDA graphs of its own; the sampler stays eager) and the pool captures the
+compiled kernels. With
 ``--sample`` every variant samples (Llama-3.2-1B's own settings: temperature 0.6, top-p 0.9; prompt lookup by
 exact speculative sampling); tokens are then compared by nothing but their count. Also: the
 pool's capture time, the acceptance per verify step, a graphed verify step's GPU time against a graphed plain
@@ -94,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample", action="store_true",
                    help="every variant samples (temperature 0.6, top-p 0.9: Llama-3.2-1B's generation config)")
     p.add_argument("--compile", action="store_true",
-                   help="graphpool's step compiled with torch.compile (no CUDA graphs of its own) before its capture")
+                   help="graphpool's model forward compiled with torch.compile (no CUDA graphs of its own) before its "
+                        "capture")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (smoke default)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -444,7 +446,8 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
             "transformers": transformers.__version__, "torch": torch.__version__, "batch_sizes": args.batch_sizes,
             "new_tokens": args.new_tokens, "draft_tokens": args.draft_tokens,
             "prompt_lengths": [len(p) for p in prompts], "max_len": max_len, "capture_s": capture_s,
-            "graphpool_step": ("torch.compile (defaults, no CUDA graphs of its own), then captured in CUDA graphs"
+            "graphpool_step": ("the forward torch.compile'd (defaults, no CUDA graphs of its own), the sampler "
+                               "eager, then captured in CUDA graphs"
                                if args.compile else "the model's eager modules captured in CUDA graphs (no torch.compile)"),
             "choice": args.choice, "sampled": args.sample, "compiled": args.compile,
             "hf_static": "generate(cache_implementation='static'): transformers' torch.compile(mode='reduce-overhead') "

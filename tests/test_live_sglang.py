@@ -351,7 +351,7 @@ def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracl
 
     A wave proves the resume only where it had one: on a loaded machine a wave's requests can reach the scheduler so far
     apart that its pair ends with the fillers (no resume at 2). Such a wave's pair is still checked (it ran clean), and
-    another wave is sent (pairs reused) until two waves resumed, at most :data:`STANDALONE_WAVES`."""
+    another wave is sent (pairs reused, new fillers) until two waves resumed, at most :data:`STANDALONE_WAVES`."""
     started = time.monotonic()
     requests = [r for w in ramp_waves() for r in w]
     want = [o for w in oracle["ramp"] for o in w]
@@ -363,22 +363,26 @@ def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracl
         by_length = sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens)
         clean = [i for i in by_length if not any(accepted(alone[i])[:STEPS]) and requests[i].max_new_tokens >= 10]
         others = [i for i in by_length if i not in clean]
-        assert len(clean) >= 4, f"{len(clean)} of {len(requests)} requests clean alone"
+        # One pair proves a resume; more pairs vary the waves (the CPU tier finds 5 clean of 34; an H200 in TF32
+        # attention found 2, run BR).
+        assert len(clean) >= 2, f"{len(clean)} of {len(requests)} requests clean alone"
         resumed, verify_steps, waves = 0, 0, 0
         pairs = len(clean) // 2
         while resumed < 4 and waves < STANDALONE_WAVES:
-            k, waves = waves % pairs, waves + 1
+            k, w, waves = waves % pairs, waves, waves + 1
             pair = clean[2 * k:2 * k + 2]
             flips, catch_ups = server.log().flips("ON"), len(server.log().catch_ups())
             # Four more, cut 5 tokens shorter than the pair (greedy: their outputs are the oracle's, cut): the pair
             # outlasts them, so speculation resumes at exactly the pair, after its plain steps.
             cut = min(requests[i].max_new_tokens for i in pair) - 5
-            fill = [others[(4 * k + j) % len(others)] for j in range(4)]
+            # (from the requests at least ``cut`` long: the oracle has their first ``cut`` tokens), new ones each wave
+            longer = [i for i in others if requests[i].max_new_tokens >= cut]
+            fill = [longer[(4 * w + j) % len(longer)] for j in range(4)]
             fillers = [dataclasses.replace(requests[i], max_new_tokens=cut) for i in fill]
             outs = server.client.generate_many([requests[i] for i in pair] + fillers)
-            counts["served"] += same_tokens(outs[:2], [want[i] for i in pair], f"wave {k}")
+            counts["served"] += same_tokens(outs[:2], [want[i] for i in pair], f"wave {w}")
             counts["served"] += same_tokens(outs[2:], [dataclasses.replace(want[i], output_ids=want[i].output_ids[:cut])
-                                                       for i in fill], f"wave {k}, cut")
+                                                       for i in fill], f"wave {w}, cut")
             server.check_health()
             for i, out in zip(pair, outs[:2]):
                 histogram = accepted(out)

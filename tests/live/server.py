@@ -278,10 +278,10 @@ def server_env(counts_file: Path, extra: Optional[Mapping[str, str]] = None) -> 
     if DEVICE == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     else:
-        # float32 all through: Triton's float32 dots default to TF32 on a GPU, so SGLang's Triton attention rounded
-        # a verify step (extend kernel) and a draft step (decode kernel) differently: a STANDALONE self-draft
-        # disagreed with its target on the random model's near-tied tokens (run BR: 2 of 34 requests accepted
-        # every draft, (d) needs 4; the CPU tier, exact float32, has them).
+        # float32 all through: Triton's float32 dots default to TF32 on a GPU, where SGLang's Triton attention can
+        # round a verify step (extend kernel) and a draft step (decode kernel) apart, and a STANDALONE self-draft
+        # then disagrees with its target on the random model's near-tied tokens (run BR, TF32: 2 of 34 requests
+        # accepted every draft; the CPU tier, exact float32: 5 of 34).
         env["TRITON_F32_DEFAULT"] = "ieee"
     env.update(extra or {})
     return env

@@ -66,9 +66,8 @@ def test_compiled_generator_samples_top_p_over_a_real_vocabulary_on_the_gpu():
     cumsum this long, and torch 2.11 failed to generate top-p's split cumsum (run BQ: every capture of
     ``hf_decode.py --sample --compile`` refused). The sampler stays eager; tokens equal the uncompiled generator's."""
     model = tiny_model("llama", "cuda", vocab_size=128256)
-    make = lambda compile: tfm.PoolGenerator(model, max_len=48, max_batch=32, batch_sizes=(32,),  # noqa: E731
-                                             num_draft_tokens=4, compile=compile)
-    compiled, eager = make(True), make(False)
+    compiled, eager = (tfm.PoolGenerator(model, max_len=48, max_batch=32, batch_sizes=(32,), num_draft_tokens=4,
+                                         compile=compile) for compile in (True, False))
     try:
         sampled = dict(do_sample=True, temperature=0.6, top_p=0.9)
         got, want = generate(compiled, **sampled), generate(eager, **sampled)

@@ -82,7 +82,8 @@ class PoolGenerator:
             pool captures them (``True``: torch's defaults; a dict: its keyword arguments, e.g. ``{"mode":
             "max-autotune-no-cudagraphs"}``). Inductor fuses the forward's small kernels and the graphs replay the
             fused ones; the sampler stays eager inside the graphs. The compiles happen during construction (each
-            new step shape, until torch makes the shapes dynamic). Modes that capture CUDA graphs of their own are refused: the pool captures.
+            new step shape, until torch makes the shapes dynamic). Modes that capture CUDA graphs of their own are
+            refused: the pool captures.
 
     Raises:
         UnsupportedModelError: the model or the transformers release cannot be served (why, and the fix).

@@ -18,9 +18,8 @@ and with ``--tiers`` (speculation tiers, docs/tiers.md), after the table's varia
 
 graphpool's step is the model's own eager modules inside the graph; with ``--compile`` the model's forward is compiled
 first (``torch.compile``'s defaults, no CUDA graphs of its own; the sampler stays eager) and the pool captures the
-compiled kernels. With
-``--sample`` every variant samples (Llama-3.2-1B's own settings: temperature 0.6, top-p 0.9; prompt lookup by
-exact speculative sampling); tokens are then compared by nothing but their count. Also: the
+compiled kernels. With ``--sample`` every variant samples (Llama-3.2-1B's own settings: temperature 0.6, top-p 0.9;
+prompt lookup by exact speculative sampling); tokens are then compared by nothing but their count. Also: the
 pool's capture time, the acceptance per verify step, a graphed verify step's GPU time against a graphed plain
 step's at batch 1, and whether (d)'s and (e)'s tokens equal (a)'s. The prompts repeat spans (a code block
 edited, a document quoted by its summary), and random greedy models repeat their own output: lookup finds drafts.
@@ -447,8 +446,8 @@ def run(args: argparse.Namespace, outputs: OutputSet) -> int:
             "new_tokens": args.new_tokens, "draft_tokens": args.draft_tokens,
             "prompt_lengths": [len(p) for p in prompts], "max_len": max_len, "capture_s": capture_s,
             "graphpool_step": ("the forward torch.compile'd (defaults, no CUDA graphs of its own), the sampler "
-                               "eager, then captured in CUDA graphs"
-                               if args.compile else "the model's eager modules captured in CUDA graphs (no torch.compile)"),
+                               "eager, then captured in CUDA graphs" if args.compile
+                               else "the model's eager modules captured in CUDA graphs (no torch.compile)"),
             "choice": args.choice, "sampled": args.sample, "compiled": args.compile,
             "hf_static": "generate(cache_implementation='static'): transformers' torch.compile(mode='reduce-overhead') "
                          "on CUDA, its default CompileConfig", "smoke": smoke,

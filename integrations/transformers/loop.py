@@ -89,6 +89,7 @@ class PoolGenerator:
         UnsupportedModelError: the model or the transformers release cannot be served (why, and the fix).
         ValueError: a bad ``num_draft_tokens`` (negative, or a list with a length below 1 or repeated) or
             ``max_batch``; a ``compile`` mode that captures CUDA graphs itself.
+        TypeError: ``compile`` neither a bool nor a mapping of ``torch.compile`` arguments.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, max_batch: int | None = None,

@@ -18,8 +18,8 @@ on its ``PYTHONPATH``; SGLang itself is whatever this process imports (CI puts o
 
 ``GRAPHPOOL_LIVE_DEVICE=cuda`` runs the same servers on a GPU (``bash bench/gpu.sh live``): SGLang's own CUDA graphs for
 the oracle, graphpool's for the target's DECODE and TARGET_VERIFY steps, its real ``sgl_kernel`` and Triton attention,
-float32 (Triton's dots too: ``TRITON_F32_DEFAULT=ieee``); there the plugin keeps its test weights and forward counts and puts SGLang's norms, activation and rotary
-embedding on their torch paths (:mod:`tests.live.cpu_plugin`).
+float32 (Triton's dots too: ``TRITON_F32_DEFAULT=ieee``); there the plugin keeps its test weights and forward counts
+and puts SGLang's norms, activation and rotary embedding on their torch paths (:mod:`tests.live.cpu_plugin`).
 """
 from __future__ import annotations
 
@@ -47,16 +47,16 @@ ROOT = HERE.parent.parent
 START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
 #: Seconds one request may take.
 REQUEST_TIMEOUT_S = 120.0
-#: Arguments every live server gets (beside :data:`DEVICE_ARGS`: the device, float32 since greedy ties between verify
-#: and decode arithmetic would be a coin toss in bf16, and the attention): the tiny target with random weights, no
-#: warm-up request (the tests' first requests warm it up; a warm-up costs a few seconds per start), and ``--sleep-on-idle``: without it SGLang's
-#: scheduler spins a whole core while it has no request (its idle checks, the KV-leak one included, still run on
-#: each wake-up; a request wakes it at once), which on CI's 2 cores took the CPU from the tier's other server and
-#: from CI's other lanes.
 #: The device the tier's servers run on: ``cpu`` (CI) or ``cuda`` (the GPU run, see the module's docstring).
 DEVICE = os.environ.get("GRAPHPOOL_LIVE_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"GRAPHPOOL_LIVE_DEVICE takes cpu or cuda, got {DEVICE!r}")
+#: Arguments every live server gets (beside :data:`DEVICE_ARGS`: the device, float32 since greedy ties between verify
+#: and decode arithmetic would be a coin toss in bf16, and the attention): the tiny target with random weights, no
+#: warm-up request (the tests' first requests warm it up; a warm-up costs a few seconds per start), and
+#: ``--sleep-on-idle``: without it SGLang's scheduler spins a whole core while it has no request (its idle checks,
+#: the KV-leak one included, still run on each wake-up; a request wakes it at once), which on CI's 2 cores took the
+#: CPU from the tier's other server and from CI's other lanes.
 COMMON_ARGS = ("--load-format", "dummy", "--host", "127.0.0.1", "--skip-server-warmup", "--max-total-tokens", "6144",
                "--max-running-requests", "32", "--disable-overlap-schedule", "--sleep-on-idle", "--log-level", "info")
 #: On a GPU: float32 as on CPU (the plugin puts SGLang's norms on their torch paths: sgl_kernel's take no float32; in

@@ -3,7 +3,7 @@
 # in .ci/run's venv): graphpool.integrations.transformers' CPU tests against each release's real classes.
 #   newest (5.25.0): every tiny-model test, long versions included (22 families, generate()'s options, the
 #                    statistical test of sampling and speculation, the loop, speculation tiers, the parts, the
-#                    example, the benchmark's smoke run);
+#                    example, the compiled step, the benchmark's smoke run);
 #   between (5.17.0): the 22 families, greedy in plain and prompt-lookup modes.
 # The real checkpoint's tests run once, in the main venv (they are the heaviest).
 #
@@ -19,7 +19,7 @@ RANGE=.tf-range
 NEWEST=5.25.0
 ALL="tests/test_transformers_families.py tests/test_transformers_options.py tests/test_transformers_sampling.py
      tests/test_transformers_loop.py tests/test_transformers_tiers.py tests/test_transformers_parts.py
-     tests/test_transformers_example.py
+     tests/test_transformers_example.py tests/test_transformers_compile.py
      tests/test_hf_decode_cli.py"
 BETWEEN="tests/test_transformers_families.py"
 versions=("$@")

@@ -116,11 +116,15 @@ def table(runs: list[Run], steps: dict[str, float], goals: list[dict], meta: dic
                      + f" {_fmt(_ratio(_tps(points, 'gp-lookup', bs), _tps(points, 'gp-plain', bs)), '.2f'):>6}"
                      + f" {_fmt(e.accept if e else None, '.2f'):>6} {match:>9}")
     compiles = ", ".join(f"bs {r.bs} {r.compile_s:.0f} s" for r in runs if r.variant == "hf-static" and r.compile_s)
-    skipped = [r.bs for r in runs if r.error and r.error.startswith("skipped")]
+    skipped = [r for r in runs if r.error and r.error.startswith("skipped")]
+    # the reason each skip recorded: the compile budget and the run's deadline call for different flags
+    why = " or ".join(sorted({"the run's deadline, --deadline-s" if "deadline" in r.error else
+                              "a failed compile" if "failed" in r.error else
+                              "the compile budget, --compile-budget-s" for r in skipped}))
     errors = sorted({f"{r.variant} bs {r.bs}: {r.error}" for r in runs
                      if r.error and not r.error.startswith(("skipped", "refused"))})
     lines += [f"graphpool capture {_fmt(meta['capture_s'], '.2f')} s (all graphs); (b) compile: {compiles or '-'}"
-              + (f"; (b) skipped at bs {skipped} (compile budget)" if skipped else ""),
+              + (f"; (b) skipped at bs {[r.bs for r in skipped]} ({why})" if skipped else ""),
               "graphed step at bs 1, GPU ms: " + (", ".join(f"{m} {ms:.3f}" for m, ms in steps.items()) or "-")
               + "; accept: tokens per sequence per verify step of (e); match: rows equal to (a)'s",
               f"(d), (e): graphpool, {meta['graphpool_step']}; (b): transformers' static cache, "

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench import hf_decode
-from bench.hf_report import Run, check_goals
+from bench.hf_report import Run, check_goals, table
 from tests.hf_models import needs_transformers
 from tests.hf_models import one_thread  # noqa: F401 (a fixture)
 
@@ -82,3 +82,14 @@ def test_goals_pass_fail_and_not_applicable():
     assert "no (b) figure at bs [2]" in goals["(d) >= 1.0x (b) at every bs measured"]["value"]
     bad = [g["status"] for g in check_goals(_runs(150.0, 200.0, 1.2), {"decode": 1.0, "verify": 1.4}, judged=True)]
     assert bad == ["FAIL", "FAIL", "FAIL", "n.a.", "PASS"]
+
+
+def test_table_names_why_b_was_skipped():
+    """Run BT skipped (b) at its deadline, and the table said "compile budget": the flag to raise differs."""
+    meta = {"model": "m", "dtype": "bfloat16", "device_name": "gpu", "new_tokens": 8, "capture_s": 1.0,
+            "graphpool_step": "eager", "smoke": False}
+    late = [Run("hf-static", 1, error="skipped: a compile (~90 s) would exceed the run's deadline (320 s, "
+                                      "--deadline-s; 101 s left)"), Run("gp-plain", 1, tokens_per_s=9.0)]
+    assert "(b) skipped at bs [1] (the run's deadline, --deadline-s)" in table(late, {}, [], meta)
+    late[0].error = "skipped: a compile (~90 s) would exceed the compile budget (240 s, --compile-budget-s)"
+    assert "(b) skipped at bs [1] (the compile budget, --compile-budget-s)" in table(late, {}, [], meta)

@@ -93,3 +93,24 @@ def test_table_names_why_b_was_skipped():
     assert "(b) skipped at bs [1] (the run's deadline, --deadline-s)" in table(late, {}, [], meta)
     late[0].error = "skipped: a compile (~90 s) would exceed the compile budget (240 s, --compile-budget-s)"
     assert "(b) skipped at bs [1] (the compile budget, --compile-budget-s)" in table(late, {}, [], meta)
+
+
+def test_b_is_compiled_when_the_time_left_fits_a_measured_first_compile(monkeypatch):
+    """Run BT had 101 s left for (b) and skipped it at every size on a 90 s guess; its first compiles take 14-16 s
+    (runs BI, BV). With that time left, (b) now runs at both ends and then at the sizes between."""
+    import argparse
+    import time
+
+    def fake_hf_runs(model, batches, args, variant, **kw):  # a compile of 15 s, then 0.5 s per timed call
+        (bs,) = batches
+        clock[0] += 15.5
+        return [Run(variant, bs, tokens_per_s=100.0, seconds=0.5, first_call_s=15.5)]
+
+    clock = [0.0]
+    monkeypatch.setattr(hf_decode, "hf_runs", fake_hf_runs)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    args = argparse.Namespace(deadline_s=320.0, started=-219.0, compile_budget_s=240.0, device="cuda")
+    runs = hf_decode.static_runs(None, {bs: None for bs in (1, 2, 4, 8, 16, 32)}, args)
+    done = [r.bs for r in runs if r.error is None]
+    assert 1 in done and 32 in done, [(r.bs, r.error) for r in runs]
+    assert all("deadline" in r.error for r in runs if r.error), [(r.bs, r.error) for r in runs]

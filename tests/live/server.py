@@ -278,10 +278,9 @@ def server_env(counts_file: Path, extra: Optional[Mapping[str, str]] = None) -> 
     if DEVICE == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     else:
-        # float32 all through: Triton's float32 dots default to TF32 on a GPU, where SGLang's Triton attention can
-        # round a verify step (extend kernel) and a draft step (decode kernel) apart, and a STANDALONE self-draft
-        # then disagrees with its target on the random model's near-tied tokens (run BR, TF32: 2 of 34 requests
-        # accepted every draft; the CPU tier, exact float32: 5 of 34).
+        # float32 all through, as the tier's dtype says: Triton's float32 dots would default to TF32 on a GPU. (It is
+        # not what makes STANDALONE self-drafts miss on a GPU: 2 of 34 requests accepted every draft in TF32, run BR,
+        # and 2 in IEEE, run BU; the CPU tier finds 5. (d) needs one such pair.)
         env["TRITON_F32_DEFAULT"] = "ieee"
     env.update(extra or {})
     return env

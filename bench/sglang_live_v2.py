@@ -87,8 +87,20 @@ def server_args(models: str, attention: str, *, overlap: bool = True, topk: Opti
     return args
 
 
-def phase_configs(phase: str, models: str) -> List[Config]:
-    """The servers of a phase, in the order they run (the reference first)."""
+def phase_configs(phase: str, models: str, only: Optional[List[str]] = None) -> List[Config]:
+    """The servers of a phase, in the order they run (the reference first); ``only`` keeps those named and the
+    reference, which the others' greedy output is checked against."""
+    configs = _all_configs(phase, models)
+    if only:
+        unknown = sorted(set(only) - {c.name for c in configs})
+        if unknown:
+            raise ValueError(f"--configs: {', '.join(unknown)} not in phase {phase}; expected some of "
+                             f"{', '.join(c.name for c in configs)}")
+        configs = [c for c in configs if c.reference or c.name in only]
+    return configs
+
+
+def _all_configs(phase: str, models: str) -> List[Config]:
     if phase == "correctness":
         return [Config("stock", "SGLang, no speculation (reference)", SGL, server_args(models, "triton"),
                        reference=True),
@@ -405,7 +417,7 @@ class Bench:
             f.write(text + "\n")
 
     def run(self) -> int:
-        configs = phase_configs(self.a.phase, os.path.abspath(self.a.models))
+        configs = phase_configs(self.a.phase, os.path.abspath(self.a.models), self.a.configs)
         if self.a.phase == "throughput":
             self.run_throughput(configs)
         else:
@@ -434,6 +446,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=PHASES, required=True)
+    p.add_argument("--configs", default=None, type=lambda v: [n for n in v.split(",") if n],
+                   help="run only these servers of the phase (and its reference), e.g. gp-k1-sync,gp-k4-sync")
     p.add_argument("--out", default=os.environ.get("OUT", "out/sglang_live_v2"))
     p.add_argument("--models", default=".sgl17/models",
                    help="folder with llama-3.1-8b/, eagle3-llama-3.1-8b/, adaptive.json")
@@ -451,6 +465,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--server-module", default="", help="dry runs: a stand-in server module for every config")
     p.add_argument("--server-cwd", default="", help="folder the servers run in (the laid-out graphpool copy)")
     a = p.parse_args(argv)
+    try:
+        phase_configs(a.phase, a.models, a.configs)
+    except ValueError as e:
+        p.error(str(e))
     os.makedirs(a.out, exist_ok=True)
     if a.client_cpus:  # servers pin themselves at start (a process may widen its own set within its cgroup)
         os.sched_setaffinity(0, a.client_cpus)

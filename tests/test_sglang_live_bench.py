@@ -274,3 +274,18 @@ def test_runner_api_bench_names_every_window_it_did_not_measure():
         "[MISSING] stock-spec: 6 of 6 windows not measured (C=1 round 1, C=1 round 2, C=8 round 1, C=8 round 2, "
         "C=32 round 1, C=32 round 2): did not start; its log ends: OSError: [Errno 98] Address already in use",
         "[MISSING] gp-switch: 1 of 6 windows not measured (C=32 round 2): C=32 round 2 not measured: deadline"]
+
+
+def test_runner_api_bench_runs_only_the_configs_named_and_the_reference(capsys):
+    """``--configs`` picks servers of a phase (e.g. the overlap-off pair left by a deadline); the greedy reference
+    always stays, and a name not in the phase stops the run before any server starts, naming the phase's own."""
+    from bench.sglang_live_v2 import main, phase_configs
+
+    assert [c.name for c in phase_configs("correctness", "m", ["gp-k4-sync", "gp-k1-sync"])] == [
+        "stock", "gp-k1-sync", "gp-k4-sync"]
+    assert len(phase_configs("correctness", "m")) == 5
+    with pytest.raises(SystemExit) as e:
+        main(["--phase", "correctness", "--configs", "gp-k1-sync,gp-fi-k1", "--out", "/nonexistent/never"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "gp-fi-k1 not in phase correctness" in err and "gp-k4-sync" in err

@@ -39,11 +39,14 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
     config = CudaGraphConfig(decode=PhaseConfig(backend=decode_backend, bs=list(cfg.batch_sizes)),
                              prefill=PhaseConfig(backend="disabled"))
     context = runtime_context.get_context()
-    if hasattr(context, "set_server_args"):  # 0.5.17+: settings live in the runtime context's config bags
+    if hasattr(context, "set_server_args"):  # 0.5.16+: the ServerArgs is published to the runtime context
         if hasattr(args, "override"):  # 0.5.17: its runners still read the batch sizes off the record itself
             args.override("graphpool-test", cuda_graph_config=config)
+        elif not hasattr(context, "override"):  # 0.5.16: the record holds the settings, as 0.5.14's
+            args.cuda_graph_config = config
         context.set_server_args(args)
-        context.override("graphpool-test", cuda_graph_config=config)
+        if hasattr(context, "override"):  # 0.5.17+: settings live in the runtime context's config bags
+            context.override("graphpool-test", cuda_graph_config=config)
     else:  # 0.5.14: settings live on the (global) ServerArgs
         from sglang.srt.server_args import set_global_server_args_for_scheduler
 
@@ -54,12 +57,13 @@ def publish(cfg: H.HarnessConfig, *, speculative: bool, topk: int = 1, decode_ba
 
 
 def _single_process_parallel_context() -> None:
-    """0.5.14 and 0.5.17's parallel context asks torch.distributed's groups, which a single-process test has
+    """0.5.14 to 0.5.19's parallel context asks torch.distributed's groups, which a single-process test has
     not created (0.5.23 answers from the published ServerArgs): hold it at one process for the session."""
     if "override" in _SINGLE_PROCESS:
         return
-    try:
+    try:  # a leaf (attn_cp_size) and a width derived from the process groups (moe_ep_size, 0.5.19)
         runtime_context.get_parallel().attn_cp_size
+        runtime_context.get_parallel().moe_ep_size
         return
     except (AssertionError, AttributeError, RuntimeError):
         pass
@@ -104,6 +108,9 @@ class RunnerApiModelRunner(H.HarnessModelRunner):
         self.prefill_cuda_graph_runner = None
         self.lora_manager = None
         self.pp_group = SimpleNamespace(is_last_rank=True)
+        # One process, no decode context parallelism: where 0.5.18 to 0.5.20 (ps) and 0.5.21 (its own) read it.
+        self.ps = SimpleNamespace(attn_dcp_size=1, attn_dcp_rank=0)
+        self.attn_dcp_size, self.attn_dcp_rank = 1, 0
         self.model.shared_experts_config = None  # read by _forward_raw's model-context override
 
     init_new_workspace = False  # read and restored by SGLang's build_adaptive_runtime_state

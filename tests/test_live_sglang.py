@@ -1,7 +1,7 @@
 """The live tier: real SGLang servers on CPU, through graphpool's launcher, runner and speculation switch.
 
-Opt-in (``pytest --live``; CI runs it for SGLang 0.5.23 and 0.5.17, each release's folder on ``PYTHONPATH``, see
-``.ci/sglang-live.sh``). Each server is SGLang itself (HTTP server, tokenizer manager, scheduler, spec-v2 worker,
+Opt-in (``pytest --live``; CI runs it for every SGLang release from 0.5.16 to 0.5.23, one after the other, each
+release's folder on ``PYTHONPATH``, see ``.ci/sglang-live.sh``). Each server is SGLang itself (HTTP server, tokenizer manager, scheduler, spec-v2 worker,
 ModelRunner) on a tiny random Llama made at test time (:mod:`tests.live.models`), with graphpool's own runner serving
 the target's DECODE and TARGET_VERIFY steps (what a CPU server needs for that lives in :mod:`tests.live.cpu_plugin`).
 
@@ -11,9 +11,9 @@ configuration's greedy outputs must equal its outputs token for token. Configura
 * ``eagle``: EAGLE topk 1, the switch off above 4 and on at <= 2, under waves of 1 -> 16 -> 1 concurrent requests
   that cross the threshold both ways several times (a); in one wave, while the switch flips, a JSON-schema request,
   stop strings, stop token ids and streams the client closes mid-way (f);
-* ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.23: 0.5.17's own CPU attention reads one length per
-  sequence for ``bs * topk`` draft queries and fails at topk > 1);
-* ``eagle3``: EAGLE3 topk 1 with the switch (c); on 0.5.23 with SGLang's ``--speculative-adaptive`` too, whose table
+* ``eagle_topk4``: EAGLE topk 4 with the switch (b; SGLang 0.5.19 and later: before, SGLang's own CPU attention reads
+  one length per sequence for ``bs * topk`` draft queries and fails at topk > 1);
+* ``eagle3``: EAGLE3 topk 1 with the switch (c); from 0.5.18 on with SGLang's ``--speculative-adaptive`` too, whose table
   has 3, 2 and 0 draft steps at 1, 2 and 3+ running requests: the step-0 steps are plain steps on graphpool's DECODE
   graphs with no draft forward (e), and the three states' target runners share graphpool's one pool: DECODE graphs
   captured once (4a);
@@ -21,7 +21,7 @@ configuration's greedy outputs must equal its outputs token for token. Configura
   at every position when they run alone, caught up after plain steps, accept ``steps`` drafts at every verify step
   after the resume (d);
 * ``tiers``: graphpool's own tiers (``--graphpool-tiers``: 3, 2 and 1 draft steps by batch size, plain decode above),
-  STANDALONE at topk 4 (0.5.17: topk 1), which SGLang's adaptive mode refuses: waves that visit every tier in both
+  STANDALONE at topk 4 (before 0.5.19: topk 1), which SGLang's adaptive mode refuses: waves that visit every tier in both
   directions, each tier's verify steps accepting its most after every change and resume (4b);
 
 Each also checks: every request not aborted completes, ``/health`` after every wave, graphpool's replays by mode
@@ -49,13 +49,14 @@ try:
     RELEASE = importlib.metadata.version("sglang")
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("the live tier needs SGLang (CI: .ci/sglang-live.sh)", allow_module_level=True)
-#: 0.5.23 and later (topk > 1 on CPU, the adaptive runs).
-NEWER = tuple(int(p) for p in RELEASE.split(".")[:3] if p.isdigit()) >= (0, 5, 23)
-#: What a release serves here beyond 0.5.17 on CPU: topk > 1 (its CPU attention's limit), --speculative-adaptive (4a,
-#: e: 0.5.17's CPU ramp once never crossed the switch), structured output (its CPU xgrammar; the GPU carry has none).
+VERSION = tuple(int(p) for p in RELEASE.split(".")[:3] if p.isdigit())
+#: What a release serves here on CPU beyond 0.5.16 and 0.5.17 (each found by serving 0.5.16 to 0.5.23 with it on):
+#: topk > 1 from 0.5.19 (SGLang's own CPU attention before), structured output and --speculative-adaptive from 0.5.18
+#: (4a, e: 0.5.17's CPU ramp once never crossed the switch). On a GPU: topk > 1 and adaptive; no grammar backend there.
 GPU = DEVICE == "cuda"
-TOPK4 = ADAPTIVE = NEWER or GPU
-STRUCTURED = NEWER and not GPU
+TOPK4 = VERSION >= (0, 5, 19) or GPU
+ADAPTIVE = VERSION >= (0, 5, 18) or GPU
+STRUCTURED = VERSION >= (0, 5, 18) and not GPU
 
 STEPS = 3
 #: The switch: off above 4 running requests, on again at <= 2.
@@ -78,11 +79,11 @@ ADAPTIVE_TABLE = {str(bs): {"candidate_steps": [steps], "up_hysteresis": 0.0, "d
                   for bs, steps in ((1, STEPS), (2, STEPS - 1), (3, 0))}
 #: The verify graphs of each --speculative-adaptive state that speculates (steps s, s + 1 tokens, topk 1).
 ADAPTIVE_VERIFY = {f"TARGET_VERIFY_1x{s}:{s + 1}": s for s in (STEPS, STEPS - 1)}
-#: Why the live tier sends no structured-output request to SGLang 0.5.17: its xgrammar backend allocates the token
-#: bitmask with ``pin_memory=True``, which a CPU-only torch refuses, so SGLang's own server (the oracle too) dies on
-#: the first JSON-schema request ("pin_memory=True requires a CUDA or other accelerator backend"); 0.5.23 asks
-#: ``is_pin_memory_available()`` first.
-NO_STRUCTURED_OUTPUT = "SGLang 0.5.17's xgrammar backend pins its bitmask, which CPU torch refuses"
+#: Why the live tier sends no structured-output request to SGLang 0.5.16 and 0.5.17: SGLang's own server (the oracle
+#: too) dies on the first JSON-schema request. 0.5.17's xgrammar backend allocates the token bitmask with
+#: ``pin_memory=True``, which a CPU-only torch refuses ("pin_memory=True requires a CUDA or other accelerator
+#: backend"); 0.5.16's applies the mask on CUDA only ("Unsupported device: cpu"). 0.5.18 serves it.
+NO_STRUCTURED_OUTPUT = f"SGLang {RELEASE}'s xgrammar backend cannot mask logits on CPU"
 NO_GRAMMAR_ON_GPU = "the GPU carry holds no grammar backend (--grammar-backend none)"
 #: Concurrency of each wave: 1 -> 16 -> 1, crossing the switch's threshold up and down in each wave above 4.
 RAMP = (1, 6, 16, 2, 8, 1)
@@ -227,7 +228,7 @@ def test_eagle_topk4_switch(work, oracle):
     """(b)."""
     if not TOPK4:
         pytest.skip(f"SGLang {RELEASE}'s own CPU attention (intel_amx forward_decode) reads one length per sequence for "
-                    f"bs * topk draft queries and fails at topk > 1; 0.5.23 fixed it")
+                    f"bs * topk draft queries and fails at topk > 1; 0.5.19 fixed it")
     started = time.monotonic()
     with LiveServer.start(CONFIGS["eagle_topk4"], work, name="eagle_topk4") as server:
         counts = run_ramp(server, oracle)
@@ -238,14 +239,14 @@ def test_eagle_topk4_switch(work, oracle):
 
 
 def test_eagle3_switch_and_adaptive_step0_on_decode_graphs(work, oracle):
-    """(c), and on 0.5.23 (e) and (4a) on the same server: SGLang's ``--speculative-adaptive`` chooses 3 draft steps at
+    """(c), and from 0.5.18 on (e) and (4a) on the same server: SGLang's ``--speculative-adaptive`` chooses 3 draft steps at
     1 running request, 2 at 2 and 0 from 3 on (:data:`ADAPTIVE_TABLE`), where the switch still speculates; graphpool
     serves step 0 as plain steps on DECODE graphs, and the draft model runs no forward for them (e). Its three states'
     target runners are views of graphpool's one pool: the DECODE graphs captured once, each speculating state's verify
     graphs once (4a; before, each state's runner captured DECODE and verify graphs of its own). 0.5.17 served the same
     in two runs of three (tests/test_sglang_tiers.py checks its one pool against SGLang's own classes); in the third,
     the ramp's 8-request wave never ran more than 4 requests at once (its prefills came apart while the other release's
-    servers ran beside it), so the switch did not flip 3 times: 0.5.17 keeps the switch alone here."""
+    servers ran beside it), so the switch did not flip 3 times: 0.5.16 and 0.5.17 keep the switch alone here."""
     started = time.monotonic()
     args = CONFIGS["eagle3"]
     if ADAPTIVE:
@@ -407,8 +408,8 @@ def test_standalone_self_draft_accepts_every_draft_after_each_resume(work, oracl
 
 
 #: graphpool's tiers (4b), STANDALONE: the server's own shape first (3 steps of topk 4, 8 tokens), then 2 and 1 steps,
-#: plain decode above 4 running requests (back at <= 3). SGLang 0.5.17 runs the same step counts as chains (topk 1): its
-#: own CPU attention fails at topk > 1 (see test_eagle_topk4_switch).
+#: plain decode above 4 running requests (back at <= 3). SGLang before 0.5.19 runs the same step counts as chains (topk
+#: 1): its own CPU attention fails at topk > 1 (see test_eagle_topk4_switch).
 TIERS = "4x3:8@1,4x2:6@2,4x1:4@4/3" if TOPK4 else "1x3:4@1,1x2:3@2,1x1:2@4/3"
 TIERS_TOPK = 4 if TOPK4 else 1
 #: Each tier's most tokens committed per request and verify step (steps + 1: every tier's tree reaches its depth).
@@ -480,7 +481,7 @@ def accepted(output: Output) -> List[int]:
 def test_an_option_graphpool_refuses_stops_the_launcher_before_the_weights_load(live_server, tmp_path):
     """Bad input: the launcher refuses an option it cannot honour on this SGLang before SGLang loads anything, and the
     live tier reports the server's own message instead of waiting (one release is enough: the launcher's code)."""
-    if not NEWER:
+    if VERSION < (0, 5, 23):
         pytest.skip("run on SGLang 0.5.23 (the launcher's check is release-independent; a start costs ~15 s)")
     args = (*CONFIGS["eagle"], "--graphpool-spec-min-accept", "1.5")
     started = time.monotonic()

@@ -189,8 +189,8 @@ def target():
 @contextlib.contextmanager
 def sglang_state(monkeypatch, mr, flags):
     """SGLang's state for ``mr``'s server launched with ``flags``, as its scheduler sets it up (its MoE backend
-    global and ``server_args`` up to 0.5.14, the published runtime context from 0.5.17, whose predicate still takes
-    ``server_args`` up to 0.5.18); yields what SGLang's own require_gathered_buffer answers in it."""
+    global and ``server_args`` up to 0.5.14, the published runtime context from 0.5.16 (0.5.16: its MoE flags; the
+    record's own ``moe_dense_tp_size``), whose predicate still takes ``server_args`` up to 0.5.18); yields what SGLang's own require_gathered_buffer answers in it."""
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.utils.common import require_gathered_buffer
 
@@ -209,9 +209,12 @@ def sglang_state(monkeypatch, mr, flags):
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(parallel.override(moe_dense_tp_size=launched.moe_dense_tp_size))
-        except ValueError:  # 0.5.17: a published config leaf, not a live parallel value
-            stack.callback(context.override, "graphpool-test", moe_dense_tp_size=parallel.moe_dense_tp_size)
-            context.override("graphpool-test", moe_dense_tp_size=launched.moe_dense_tp_size)
+        except ValueError:  # not a live parallel value: 0.5.17, a published config leaf; 0.5.16, the record's own
+            if hasattr(context, "override"):
+                stack.callback(context.override, "graphpool-test", moe_dense_tp_size=parallel.moe_dense_tp_size)
+                context.override("graphpool-test", moe_dense_tp_size=launched.moe_dense_tp_size)
+            else:
+                monkeypatch.setattr(mr.server_args, "moe_dense_tp_size", launched.moe_dense_tp_size)
         yield require_gathered_buffer(*args)
 
 

@@ -251,12 +251,15 @@ def test_catch_up_of_some_rows_through_sglangs_own_draft_prefill(monkeypatch):
     draft.use_ngram_embedding = draft.model_is_mrope = False  # 0.5.14's ModelRunner keeps these itself
     draft.model_config.model_is_mrope = draft.model_config.requires_mm_token_modalities = False
     R.real_sampling(draft, 1)  # its ngram embedding manager, read by ForwardBatch.init_new
-    try:  # 0.5.23: init_new plans every batch's KV ids through the runner's translator (a pass-through here)
+    try:  # 0.5.19+: init_new plans every batch's KV ids through the runner's translator (a pass-through here)
         from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 
+        draft_flag = {"is_draft_worker": True}  # 0.5.22+ only
+        if "is_draft_worker" not in inspect.signature(KVIndexTranslator.__init__).parameters:
+            draft_flag = {}
         draft.kv_index_translator = KVIndexTranslator(
             req_to_token=draft.req_to_token_pool.req_to_token, token_to_kv_pool_allocator=None,
-            token_to_kv_pool=draft.token_to_kv_pool, page_size=1, device="cpu", is_draft_worker=True)
+            token_to_kv_pool=draft.token_to_kv_pool, page_size=1, device="cpu", **draft_flag)
     except ImportError:
         pass
     reqs = H.make_requests(cfg, cfg.max_reqs, prompt_len=6, seed=11)

@@ -189,7 +189,8 @@ def test_the_kv_reservation_is_the_largest_tiers_at_every_tier():
     shortest_tier()
     if module.get_alloc_reserve_per_decode() == largest:  # 0.5.17 reads its start-up record, whatever state runs
         pytest.skip("this SGLang reserves by its start-up settings at every state: the largest tier's already")
-    assert module.get_alloc_reserve_per_decode() == 2 * max(1 * 4, 8) < largest, "SGLang's own: by the running state"
+    # SGLang's own: by the running state (0.5.18 also lowers its draft-token bound to the state's: 2 * max(1 * 4, 4))
+    assert module.get_alloc_reserve_per_decode() in (2 * max(1 * 4, 8), 2 * max(1 * 4, 4)), "by the running state"
     # Installed at the first tier (as the tiers' set-up does), the reservation stays the largest tier's.
     EAGLEWorkerV2.apply_runtime_state(worker, SpecRuntimeState(3, 8, None, None, target.attn_backend, None, None, None))
     spec_tiers._wrap_the_reservation()

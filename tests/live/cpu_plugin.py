@@ -6,7 +6,8 @@ graph hooks. This module, loaded in every SGLang process as a general plugin (SG
 entry point, declared in ``plugin/`` beside it), changes exactly that, test-side:
 
 * in the scheduler processes: where SGLang would build no decode runner for a CPU target model, it builds the one its
-  own ``_decode_cuda_graph_runner_cls`` names (graphpool's factory, which graphpool's launcher installed; a server
+  own ``_decode_cuda_graph_runner_cls`` names (0.5.16: its runner module's ``DecodeCudaGraphRunner``), which is
+  graphpool's factory, installed by graphpool's launcher (a server
   started by SGLang's own launcher, the tests' oracle, keeps SGLang's eager CPU path), TARGET_VERIFY reaches
   the runner as DECODE does, and intel_amx gets the hooks a graph runner calls (state: none; metadata: its eager
   ``init_forward_metadata``; padded lengths: 1). The runner class that serves is graphpool's own.
@@ -67,8 +68,20 @@ def _keep_intel_amx() -> None:
         overrides.cpu_has_amx_support = lambda: True
 
 
+def _decode_runner_class(model_runner):
+    """What SGLang builds as the target's decode runner: its ``_decode_cuda_graph_runner_cls()`` (0.5.17+), else (0.5.16)
+    the ``DecodeCudaGraphRunner`` its runner module holds at the time, as its own capture looks it up."""
+    named = getattr(model_runner, "_decode_cuda_graph_runner_cls", None)
+    if named is not None:
+        return named()
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner
+    return decode_cuda_graph_runner.DecodeCudaGraphRunner
+
+
 def _serve_target_steps_with_graphpool() -> None:
     import time
+
+    import msgspec
 
     from sglang.srt import utils
 
@@ -88,9 +101,11 @@ def _serve_target_steps_with_graphpool() -> None:
                 or not patch.installed():
             return capture
         started = time.perf_counter()
-        runner = model_runner._decode_cuda_graph_runner_cls()(model_runner)
-        return type(capture)(runner=runner, memory_phase=capture.memory_phase, memory_usage_gb=0.0,
-                             capture_time=time.perf_counter() - started)
+        runner = _decode_runner_class(model_runner)(model_runner)
+        fields = {"runner": runner}
+        if "capture_time" in capture.__struct_fields__:  # 0.5.17+ (0.5.16: runner and graph_mem_usage only)
+            fields["capture_time"] = time.perf_counter() - started
+        return msgspec.structs.replace(capture, **fields)
 
     cuda_graph_setup.capture_decode_graph = capture_decode_graph
     model_runner_module.capture_decode_graph = capture_decode_graph

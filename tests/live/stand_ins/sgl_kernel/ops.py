@@ -35,7 +35,8 @@ def _refuse(sliding_window: int, sinks: Any, encoder_lens: Any, is_cross: bool) 
 
 def decode_attention_cpu(*args: Any) -> None:
     """One query row per sequence over its KV (``req_to_token[row, :seq_len]``); writes the step's own K/V at
-    ``loc`` first when given. SGLang 0.5.23 passes K/V scales after the buffers (19 arguments), 0.5.17 not (17)."""
+    ``loc`` first when given. SGLang 0.5.20 to 0.5.23 pass K/V scales after the buffers (19 arguments), 0.5.16 to
+    0.5.19 not (17)."""
     if len(args) == 19:
         q, k_buffer, v_buffer, _k_scale, _v_scale, o, k, v, loc, _logits, req_to_token, rows, seq_lens, scale, \
             logit_cap, is_cross, window, encoder_lens, sinks = args
@@ -43,7 +44,8 @@ def decode_attention_cpu(*args: Any) -> None:
         q, k_buffer, v_buffer, o, k, v, loc, _logits, req_to_token, rows, seq_lens, scale, logit_cap, is_cross, \
             window, encoder_lens, sinks = args
     else:
-        raise TypeError(f"decode_attention_cpu: {len(args)} arguments; the stand-in knows SGLang 0.5.17's and 0.5.23's")
+        raise TypeError(f"decode_attention_cpu: {len(args)} arguments; the stand-in knows those of SGLang 0.5.16 to "
+                        f"0.5.23 (17 or 19)")
     _refuse(window, sinks, encoder_lens, is_cross)
     if k is not None and v is not None:
         k_buffer[loc.long()] = k.view(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
@@ -59,17 +61,18 @@ def extend_attention_cpu(*args: Any) -> None:
     """Each sequence's ``extend_seq_lens[i]`` new query rows over its prefix (from the KV buffers) and its new K/V
     (``k``/``v``; from the buffers where ``None``): causal, or by ``tree_mask`` (per sequence, row-major, one block
     after another: ``ext x ext`` over the new tokens or ``ext x seq_len`` over all), or fully visible where
-    ``is_causal`` is False. SGLang 0.5.23 passes
-    K/V scales and ``is_causal`` (22 arguments), 0.5.17 neither (19)."""
+    ``is_causal`` is False. SGLang 0.5.16 to 0.5.18 pass neither K/V scales nor ``is_causal`` (19 arguments), 0.5.19
+    ``is_causal`` last (20), 0.5.20 to 0.5.23 both (22)."""
     if len(args) == 22:
         q, k, v, o, k_buffer, v_buffer, _ks, _vs, req_to_token, rows, seq_lens, ext_lens, starts, _max_ext, scale, \
             logit_cap, is_cross, window, encoder_lens, sinks, tree_mask, is_causal = args
-    elif len(args) == 19:
+    elif len(args) in (19, 20):
         q, k, v, o, k_buffer, v_buffer, req_to_token, rows, seq_lens, ext_lens, starts, _max_ext, scale, \
-            logit_cap, is_cross, window, encoder_lens, sinks, tree_mask = args
-        is_causal = True
+            logit_cap, is_cross, window, encoder_lens, sinks, tree_mask = args[:19]
+        is_causal = args[19] if len(args) == 20 else True
     else:
-        raise TypeError(f"extend_attention_cpu: {len(args)} arguments; the stand-in knows SGLang 0.5.17's and 0.5.23's")
+        raise TypeError(f"extend_attention_cpu: {len(args)} arguments; the stand-in knows those of SGLang 0.5.16 to "
+                        f"0.5.23 (19, 20 or 22)")
     _refuse(window, sinks, encoder_lens, is_cross)
     # SGLang 0.5.23 on CPU passes the tree mask over the new tokens only (ext x ext per sequence, QLEN_ONLY; the
     # prefix is visible to all), 0.5.17 over prefix and new tokens (ext x seq_len, FULL_MASK): its size tells which.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# CI, the runner API's range: graphpool's SGLang integration against the real Python classes of SGLang 0.5.14 and of
-# every release from 0.5.16 to 0.5.23 (0.5.17: the newest release whose torch pin, 2.11, the GPU machines have; 0.5.23:
-# the newest). 0.5.15 has the classes of 0.5.14 and no CPU path to serve.
+# CI, the runner API's range: graphpool's SGLang integration against the real Python classes of every SGLang release
+# from 0.5.14 to 0.5.23 (0.5.15 and 0.5.15.post1 included; 0.5.17: the newest release whose torch pin, 2.11, the GPU
+# machines have; 0.5.23: the newest).
 #
 # One environment for all three: .ci/run's first one when it is there (torch 2.13.0 CPU, setup.py's
 # sglang-classes extra), else one made here the same way. Each release goes into a folder of its own with the

@@ -81,7 +81,7 @@ def test_an_sglang_with_neither_api_says_which_are_supported(interpreter, tmp_pa
     assert "SGLang 0.4.0 has neither the classic CudaGraphRunner nor the runner package" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("version, warned", [("0.5.15", True), ("0.5.23.post1", True), ("0.5.16", False),
+@pytest.mark.parametrize("version, warned", [("0.5.24", True), ("0.5.23.post1", True), ("0.5.15.post1", False),
                                              ("0.5.20", False), ("0.5.23", False)])
 def test_a_release_outside_the_tested_set_gets_one_warning_naming_them(interpreter, tmp_path, version, warned):
     """The launcher warns once (issue 35) when the installed SGLang is a release of a served API that CI does not test."""
@@ -90,6 +90,6 @@ def test_a_release_outside_the_tested_set_gets_one_warning_naming_them(interpret
     said = interpreter.run(code, path=[tmp_path]).stdout.strip()
     if warned:
         assert f"SGLang {version} is not a release graphpool is tested against" in said
-        assert "0.5.14, 0.5.16, 0.5.17, 0.5.18" in said and "runner graph-runner API" in said
+        assert "0.5.14, 0.5.15, 0.5.15.post1, 0.5.16" in said and "runner graph-runner API" in said
     else:
         assert said == "None"

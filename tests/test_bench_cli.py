@@ -72,6 +72,39 @@ def test_sglang_style_staging_copies_the_real_rows(grouped):
     assert torch.all(static["seq_lens"][3:] == 1)  # the padded tail holds the fill
 
 
+@pytest.mark.parametrize("first_per", ["token", "seq"])
+def test_sglang_style_staging_needs_no_seq_lens(first_per):
+    """A step of one's own (here the transformers step's kind of inputs) has no ``seq_lens``: the real batch size
+    comes from the declarations (GPU run CB died on ``KeyError: 'seq_lens'`` in ``--step transformers``)."""
+    specs = [gp.StepInput("ids", torch.int64, "token"), gp.StepInput("slots", torch.int64, "seq", fill=0)]
+    if first_per == "seq":
+        specs.reverse()
+    pool = gp.GraphPool([gp.Mode("decode", 1), gp.Mode("verify", 4)], specs, [1, 4], device="cpu", staging="torch")
+    pool.capture(lambda b: {"y": b.inputs["ids"] + 1}, progress=False, outputs="token")
+    mode = pool.modes["verify"]
+    inputs = {"ids": torch.arange(8) + 100, "slots": torch.tensor([7, 9])}
+    for name in ("ids", "slots"):
+        pool.static_inputs[name].fill_(-5)
+    sglang_style(pool, specs, grouped=True)(mode, 4, inputs)
+    assert torch.equal(pool.static_inputs["ids"][:8], inputs["ids"])
+    assert torch.equal(pool.static_inputs["slots"][:2], inputs["slots"])
+    assert torch.all(pool.static_inputs["ids"][8:] == -5)  # only the real rows are copied
+
+
+@pytest.mark.gpu
+def test_gpu_transformers_step_times_every_method(tmp_path, capsys):
+    """``--step transformers`` on CUDA: every staging method on the integration's own inputs (GPU run CB found
+    the SGLang-style method reading a ``seq_lens`` this step does not have)."""
+    pytest.importorskip("transformers")
+    from graphpool.bench.report import GRAPH_METHODS
+    data, _ = run(tmp_path, capsys, "--step", "transformers", "--modes", "decode:1,verify:4")
+    rows = {(r["mode"], r["bs"], r["method"]): r for r in data["rows"]}
+    for mode in ("decode", "verify"):
+        for bs in (1, 2):
+            assert all((mode, bs, m) in rows for m in GRAPH_METHODS + ["eager"]), (mode, bs)
+            assert rows[mode, bs, "graphpool"]["token_match"] > 0.9
+
+
 @pytest.mark.gpu
 def test_eager_triton_stage_fills_the_static_buffers():
     pool, step = _pool("cuda")

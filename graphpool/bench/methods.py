@@ -23,13 +23,16 @@ import graphpool as gp
 
 def sglang_style(pool: gp.GraphPool, specs: Sequence[gp.StepInput], grouped: bool,
                  fills: bool = True) -> Callable[[gp.Mode, int, dict[str, torch.Tensor]], None]:
-    """Staging as SGLang's runner does it: fills of the padded tails, then copies of the real rows."""
+    """Staging as SGLang's runner does it: fills of the padded tails (of the inputs SGLang fills, where the step
+    has them), then copies of the real rows."""
     buf = pool.static_inputs
     names = [s.name for s in specs]
     tail_fills = [(buf[s.name], s.fill) for s in specs if s.name in ("seq_lens", "out_cache_loc", "out_cache_loc_swa")]
+    # the real batch size from any input's rows: a step of your own (--step) need not have SGLang's seq_lens
+    first = specs[0]
 
     def stage(mode: gp.Mode, padded: int, inputs: dict[str, torch.Tensor]) -> None:
-        raw_bs = inputs["seq_lens"].shape[0]
+        raw_bs = inputs[first.name].shape[0] // (mode.tokens_per_seq if first.per == "token" else 1)
         if fills and padded != raw_bs:
             for tensor, value in tail_fills:
                 tensor.fill_(value)

@@ -79,7 +79,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.engine.attention import key_len  # noqa: E402
 from bench.engine.config import ModelConfig, SpecConfig, dtype_from_name, tier_modes  # noqa: E402
-from bench.engine.costs import plain_step, roofline_table, spec_step, total_params  # noqa: E402
+from bench.engine.costs import device_roof, plain_step, roofline_table, spec_step, total_params  # noqa: E402
 from bench.engine.draft_select import DRAFT_SELECT  # noqa: E402
 from bench.engine.engine import ATTENTION  # noqa: E402
 from bench.engine.gemv import use_skinny  # noqa: E402
@@ -429,9 +429,14 @@ def run(tp, args: argparse.Namespace) -> int:
           f"({pool.stats.backend} backend, {engine.attention} attention, {kernels} kernels, {selection} "
           f"draft selection, skinny GEMM {args.skinny}, run-ahead {args.run_ahead})", flush=True)
     keys = key_len(engine.max_context, 1)
-    roofline = roofline_table(cfg, spec, args.concurrency, keys) if gpu else None
-    roofline_ms = {c: (plain_step(cfg, c, keys).seconds * 1e3, spec_step(cfg, spec, c, keys).seconds * 1e3)
-                   for c in args.concurrency}
+    device_name = torch.cuda.get_device_name(args.device) if gpu else ""
+    hw = device_roof(device_name) if gpu else None
+    if gpu and hw is None:
+        print(f"decode_loop: no roofline figures for {device_name} (bench/engine/costs.py DEVICE_ROOFS): the roofline "
+              f"table and its two checks are left out", flush=True)
+    roofline = roofline_table(cfg, spec, args.concurrency, keys, **hw) if hw else None
+    roofline_ms = {c: (plain_step(cfg, c, keys, **hw).seconds * 1e3, spec_step(cfg, spec, c, keys, **hw).seconds * 1e3)
+                   for c in args.concurrency} if hw else {}
     if roofline:
         print(roofline + "\n" + ROOFLINE_LEGEND, flush=True)
     results: dict = {}

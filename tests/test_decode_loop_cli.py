@@ -120,6 +120,33 @@ def test_acceptance_checks_pass_and_fail_on_the_targets():
     assert len(lines) == 6 and lines[0].startswith("FAIL  plain step at C=1") and lines[1].startswith("PASS  spec/plain")
     missing = acceptance({}, cs, [], roof)
     assert [passed for _, passed, _ in missing][:2] == [None, None]
+    # A GPU without roofline figures: those two checks are not judged, the others are.
+    unjudged = acceptance(res, cs, check_targets(res, cs), {})
+    assert [passed for _, passed, _ in unjudged][:2] == [None, None]
+    assert all("this GPU's roofline" in detail for _, _, detail in unjudged[:2])
+    assert {name for name, passed, _ in unjudged if passed is False} == failed - {"plain step at C=1 within 1.3x its roofline",
+                                                                                 "float32 greedy output of spec and dynamic identical to plain"}
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_draws_the_roofline_of_the_gpu_it_runs_on(tmp_path, capsys):
+    """The main job's roofline table (and so its two roofline checks) takes the running GPU's figures."""
+    import torch
+
+    from bench.engine.config import ModelConfig, SpecConfig
+    from bench.engine.costs import device_roof, roofline_table
+    out = tmp_path / "dl"
+    assert decode_loop.main(["--device", "cuda", "--size", "tiny", "--concurrency", "1", "--steps", "4",
+                             "--variants", "plain,spec", "--out", str(out)]) == 0
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    name = torch.cuda.get_device_name()
+    hw = device_roof(name)
+    if hw is None:
+        assert meta["roofline"] is None and f"no roofline figures for {name}" in capsys.readouterr().out
+        return
+    keys = int(meta["roofline"][0].split("key length ")[1].rstrip(":"))
+    want = roofline_table(ModelConfig(**meta["model"]), SpecConfig(**meta["spec"]), [1], keys, **hw)
+    assert meta["roofline"] == want.splitlines()
 
 
 def test_attention_kernel_and_run_ahead_flags():

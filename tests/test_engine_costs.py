@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.engine.attention import key_len
 from bench.engine.config import ModelConfig, SpecConfig
-from bench.engine.costs import attention_flops, plain_step, spec_step, total_params
+from bench.engine.costs import attention_flops, device_roof, plain_step, spec_step, total_params
 from bench.engine.harness import build
 from bench.engine.loop import DecodeLoop, make_requests
 from bench.engine.model import LlamaModel
@@ -46,6 +46,20 @@ def test_plain_and_spec_step_flops_match_torch_flop_counter():
     attn = (attention_flops(CFG, tokens, keys, spec.draft_layers)
             + attention_flops(CFG, 4 * spec.num_draft_tokens, keys + spec.num_draft_tokens, CFG.num_layers))
     assert _gemm_flops(lambda: engine.speculate(lens, rows)) == spec_cost.flops - attn
+
+
+def test_each_gpu_is_judged_on_its_own_roofline():
+    """An H100 timed against the H200's bandwidth read 1.6x its roofline at C = 1 (run CH): a GPU's roofline takes
+    that GPU's figures, by the name CUDA gives it, and a GPU without figures gets none rather than another's."""
+    cfg = ModelConfig.medium()
+    h200, h100 = device_roof("NVIDIA H200"), device_roof("NVIDIA H100 80GB HBM3")
+    assert device_roof("NVIDIA A100-SXM4-80GB") is None and device_roof("NVIDIA H100 PCIe") is None
+    assert h200 == {"peak": 790e12, "bandwidth": 4.3e12}  # what every H200 run's roofline used
+    on_h200, on_h100 = plain_step(cfg, 1, 256, **h200), plain_step(cfg, 1, 256, **h100)
+    assert plain_step(cfg, 1, 256) == on_h200  # the default stays the H200's
+    # A plain step at C = 1 streams its weights: the same bytes, over each GPU's own bandwidth.
+    assert on_h100.bytes == on_h200.bytes and on_h100.seconds == pytest.approx(on_h100.bytes / h100["bandwidth"])
+    assert on_h100.seconds > 1.4 * on_h200.seconds
 
 
 def test_medium_model_regime_on_the_roofline():

@@ -27,6 +27,22 @@ from .config import ModelConfig, SpecConfig
 H200_PEAK_FLOPS = 790e12  # dense bf16 tensor-core peak
 H200_BANDWIDTH = 4.3e12   # HBM3e, bytes/s
 
+# ``peak`` and ``bandwidth`` by a substring of the name CUDA gives the GPU. A roofline drawn with another GPU's
+# figures judges the wrong machine: an H100 timed against the H200's 4.3 TB/s reads 1.6x its roofline at C = 1 where
+# it is within 1.3x of its own (run CH). The H100 SXM (same compute die, so the same peak) streams 3.35 TB/s on its
+# datasheet against the H200's 4.8: scaled alike, 3.0 TB/s.
+DEVICE_ROOFS = {
+    "H200": {"peak": H200_PEAK_FLOPS, "bandwidth": H200_BANDWIDTH},
+    "H100 80GB HBM3": {"peak": H200_PEAK_FLOPS, "bandwidth": 3.0e12},
+    "H100 SXM": {"peak": H200_PEAK_FLOPS, "bandwidth": 3.0e12},
+}
+
+
+def device_roof(device_name: str) -> dict[str, float] | None:
+    """The ``peak`` and ``bandwidth`` keywords of :func:`forward_cost` for the GPU CUDA names ``device_name``
+    (``torch.cuda.get_device_name()``); None for a GPU without figures here (draw no roofline for it)."""
+    return next((dict(hw) for key, hw in DEVICE_ROOFS.items() if key in device_name), None)
+
 
 @dataclass(frozen=True)
 class Cost:

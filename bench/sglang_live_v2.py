@@ -1,5 +1,6 @@
-"""Live SGLang 0.5.17 (runner API) on one H200: graphpool's launcher and spec-v2 switch on a model of
-Llama-3.1-8B's shape (dummy weights, no tokenizer: requests by input ids) against stock SGLang.
+"""Live SGLang 0.5.17 (runner API) on one H200 or H100 (the throughput phase needs the H200's memory): graphpool's
+launcher and spec-v2 switch on a model of Llama-3.1-8B's shape (dummy weights, no tokenizer: requests by input ids)
+against stock SGLang.
 
 Three phases, each one device call with a deadline (``--phase``; most important first):
 
@@ -256,6 +257,11 @@ class Bench:
     def run_throughput(self, configs: List[Config]) -> None:
         """Every server resident (started in turn, each taking its share of the free memory), then windows in
         turn: for each C, round 1 A/B/C/D, round 2 A/B/C/D. A window not measured is noted with its reason."""
+        free, need = self.free_gib(), len(configs) * STATIC_GIB
+        if free is not None and free < need:  # the last servers would die at start, minutes in
+            raise SystemExit(f"sglang_live_v2: the throughput phase keeps its {len(configs)} servers resident, about "
+                             f"{need} GiB of GPU memory; {free:.0f} GiB are free: name fewer with --configs (of "
+                             f"{', '.join(c.name for c in configs)})")
         servers: Dict[str, Server] = {}
         try:
             for i, cfg in enumerate(configs):
@@ -284,15 +290,19 @@ class Bench:
             for name, server in servers.items():
                 self.stop(name, server)
 
+    def free_gib(self) -> Optional[float]:
+        """GPU memory free now; None without a GPU (a dry run)."""
+        try:
+            return float(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                                        capture_output=True, text=True, timeout=20).stdout.split()[0]) / 1024
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
     def mem_fraction(self) -> float:
         """``--mem-fraction-static`` giving this server about STATIC_GIB of the memory free now (SGLang takes
         the fraction of what is free when it starts)."""
-        try:
-            free_mib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                                            capture_output=True, text=True, timeout=20).stdout.split()[0])
-        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-            return 0.2  # no GPU here (a dry run)
-        return min(0.9, STATIC_GIB * 1024 / free_mib)
+        free = self.free_gib()
+        return 0.2 if free is None else min(0.9, STATIC_GIB / free)
 
     # ------------------------------------------------------------------------------- report
     def report(self, phase: str) -> str:

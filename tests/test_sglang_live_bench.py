@@ -276,6 +276,24 @@ def test_runner_api_bench_names_every_window_it_did_not_measure():
         "[MISSING] gp-switch: 1 of 6 windows not measured (C=32 round 2): C=32 round 2 not measured: deadline"]
 
 
+def test_the_throughput_phase_refuses_a_gpu_its_resident_servers_do_not_fit(monkeypatch):
+    """Four servers of 26 GiB resident do not fit an H100's 79 GiB free: the phase says so before starting any (and
+    names --configs), where its last servers would otherwise die at start minutes in; fewer servers go on."""
+    from bench.sglang_live_v2 import Bench, phase_configs
+
+    started = []
+    bench = Bench(SimpleNamespace(deadline_s=100.0, port=30000, quick=True, window_s=10.0))
+    monkeypatch.setattr(bench, "free_gib", lambda: 79.0)
+    monkeypatch.setattr(bench, "start", lambda cfg, port: started.append(cfg.name))  # None: not started
+    configs = phase_configs("throughput", "m")
+    with pytest.raises(SystemExit) as e:
+        bench.run_throughput(configs)
+    assert "about 104 GiB" in str(e.value) and "79 GiB are free" in str(e.value) and "--configs" in str(e.value)
+    assert "gp-switch" in str(e.value) and started == []
+    bench.run_throughput(configs[:3])  # 78 GiB: each is started in turn
+    assert started == [c.name for c in configs[:3]]
+
+
 def test_runner_api_bench_runs_only_the_configs_named_and_the_reference(capsys):
     """``--configs`` picks servers of a phase (e.g. the overlap-off pair left by a deadline); the greedy reference
     always stays, and a name not in the phase stops the run before any server starts, naming the phase's own."""

@@ -282,7 +282,7 @@ def test_the_throughput_phase_refuses_a_gpu_its_resident_servers_do_not_fit(monk
     from bench.sglang_live_v2 import Bench, phase_configs
 
     started = []
-    bench = Bench(SimpleNamespace(deadline_s=100.0, port=30000, quick=True, window_s=10.0))
+    bench = Bench(SimpleNamespace(deadline_s=100.0, port=30000, quick=True, window_s=10.0, server_module=None))
     monkeypatch.setattr(bench, "free_gib", lambda: 79.0)
     monkeypatch.setattr(bench, "start", lambda cfg, port: started.append(cfg.name))  # None: not started
     configs = phase_configs("throughput", "m")

@@ -33,8 +33,7 @@ H200_BANDWIDTH = 4.3e12   # HBM3e, bytes/s
 # datasheet against the H200's 4.8: scaled alike, 3.0 TB/s.
 DEVICE_ROOFS = {
     "H200": {"peak": H200_PEAK_FLOPS, "bandwidth": H200_BANDWIDTH},
-    "H100 80GB HBM3": {"peak": H200_PEAK_FLOPS, "bandwidth": 3.0e12},
-    "H100 SXM": {"peak": H200_PEAK_FLOPS, "bandwidth": 3.0e12},
+    "H100 80GB HBM3": {"peak": H200_PEAK_FLOPS, "bandwidth": 3.0e12},  # the SXM card's name (runs CB-CJ)
 }
 
 

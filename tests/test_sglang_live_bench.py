@@ -276,6 +276,33 @@ def test_runner_api_bench_names_every_window_it_did_not_measure():
         "[MISSING] gp-switch: 1 of 6 windows not measured (C=32 round 2): C=32 round 2 not measured: deadline"]
 
 
+def test_the_switch_is_judged_against_the_better_stock_that_ran_and_names_it():
+    """The switch's verdict at each C is against the faster of the stock servers measured, named with how many
+    ran: run in pairs (``--configs stock-spec,gp-switch`` on an H100), "the better stock" is the only one."""
+    from bench.live.client import Answer
+    from bench.live.report import ConfigResult
+    from bench.live.window import Window
+    from bench.sglang_live_v2 import Bench, Outcome
+
+    def windows(name, tok_s):  # per C and round, a 10 s window of tok_s[c] 10-token requests: tok_s[c] tok/s
+        return [Window(name, c, r, 10.0, [Answer(f"{name}{i}", 200, 0.1, list(range(10)))
+                                          for i in range(tok_s[c])]) for c in (1, 8, 32) for r in (0, 1)]
+
+    def verdicts(names):
+        speeds = {"stock": {1: 15, 8: 100, 32: 400}, "stock-spec": {1: 11, 8: 80, 32: 230},
+                  "gp-switch": {1: 11, 8: 81, 32: 430}}
+        bench = Bench(SimpleNamespace(deadline_s=100.0))
+        bench.out = {n: Outcome(ConfigResult(n, "", "served"), windows(n, speeds[n])) for n in names}
+        return [line for line in bench.throughput_table() if "graphpool switch" in line]
+
+    assert verdicts(["stock", "stock-spec", "gp-switch"]) == [
+        "[FAIL] C=1 graphpool switch 0.733x the better stock of 2, stock (11 vs 15 tok/s)",
+        "[FAIL] C=8 graphpool switch 0.810x the better stock of 2, stock (81 vs 100 tok/s)",
+        "[PASS] C=32 graphpool switch 1.075x the better stock of 2, stock (430 vs 400 tok/s)"]
+    assert verdicts(["stock-spec", "gp-switch"])[0] == (
+        "[PASS] C=1 graphpool switch 1.000x the better stock of 1, stock-spec (11 vs 11 tok/s)")
+
+
 def test_the_throughput_phase_refuses_a_gpu_its_resident_servers_do_not_fit(monkeypatch):
     """Four servers of 26 GiB resident do not fit an H100's 79 GiB free: the phase says so before starting any (and
     names --configs), where its last servers would otherwise die at start minutes in; fewer servers go on."""

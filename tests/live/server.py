@@ -27,6 +27,7 @@ import dataclasses
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -45,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 #: Seconds a server may take to answer /health (one start takes ~25 s on an idle 2-core machine).
 START_TIMEOUT_S = float(os.environ.get("GRAPHPOOL_LIVE_START_TIMEOUT_S", "240"))
+#: The module each kind of server runs: graphpool's launcher, or SGLang's own (the oracle).
+ENTRIES = {True: "graphpool.integrations.sglang.launch", False: "sglang.launch_server"}
 #: Seconds one request may take.
 REQUEST_TIMEOUT_S = 120.0
 #: The device the tier's servers run on: ``cpu`` (CI) or ``cuda`` (the GPU run, see the module's docstring).
@@ -252,10 +255,26 @@ def first_error_line(text: str) -> str:
     return lines[-1].strip() if lines else "(empty log)"
 
 
+#: Where a server's port is drawn from. A server binds its port only after loading its models, seconds later; a port
+#: of the kernel's ephemeral range (32768 and up, what ``bind(0)`` hands out) may be taken in between by any outgoing
+#: connection on the machine (CI, once: a server died with "address already in use"). So one below that range,
+#: clear of SGLang's own draw for its rendezvous port (22000-29999) and of the live benchmarks' dry runs (32500+).
+PORTS = range(30100, 32400)
+#: Starts of one server on a fresh port when the last one found its port taken after all.
+START_TRIES = 3
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port of :data:`PORTS` that binds now, drawn at random (by the OS's randomness: two test processes seeded
+    alike must not draw alike)."""
+    for port in random.SystemRandom().sample(PORTS, 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 64 drawn from {PORTS.start}-{PORTS.stop - 1}")
 
 
 def models(root: Path) -> Dict[str, Path]:
@@ -302,28 +321,44 @@ class LiveServer:
         through graphpool's launcher (``graphpool=False``: SGLang's own ``launch_server``, the oracle), and wait for
         ``/health``.
 
+        A server that dies because its port was taken by the time it bound it starts again on another, up to
+        :data:`START_TRIES` starts in all, within the one ``timeout``.
+
         Raises:
             RuntimeError: the server exited, or did not answer within ``timeout`` s; the message holds its first
                 error line and the log's path.
         """
         paths = models(model_root or log_dir / "models")
-        port, log_path = free_port(), log_dir / f"{name}.log"
-        counts_file = log_dir / f"{name}.forwards.json"
-        entry = "graphpool.integrations.sglang.launch" if graphpool else "sglang.launch_server"
-        command = [sys.executable, "-m", entry, "--model-path", str(paths["target"]), "--port", str(port),
-                   *BASE_ARGS, *[str(a).format(**{k: str(v) for k, v in paths.items()}) for a in args]]
-        started = time.monotonic()
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=server_env(counts_file, env), cwd=str(log_dir), start_new_session=True)
-        server = cls(process, port, log_path, counts_file)
-        try:
-            server._wait_ready(started + timeout)
-        except BaseException:
-            server.stop()
-            raise
-        server.started_s = time.monotonic() - started
-        return server
+        log_path, counts_file = log_dir / f"{name}.log", log_dir / f"{name}.forwards.json"
+        entry = ENTRIES[graphpool]
+        started, attempt = time.monotonic(), 1
+        while True:
+            port = free_port()
+            command = [sys.executable, "-m", entry, "--model-path", str(paths["target"]), "--port", str(port),
+                       *BASE_ARGS, *[str(a).format(**{k: str(v) for k, v in paths.items()}) for a in args]]
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=server_env(counts_file, env), cwd=str(log_dir), start_new_session=True)
+            server = cls(process, port, log_path, counts_file)
+            try:
+                server._wait_ready(started + timeout)
+            except RuntimeError:
+                server.stop()
+                if attempt == START_TRIES or not server.port_was_taken():
+                    raise
+                print(f"live server {name}: port {port} was taken before it bound it; starting again on another",
+                      file=sys.stderr, flush=True)
+                attempt += 1
+                continue
+            except BaseException:
+                server.stop()
+                raise
+            server.started_s = time.monotonic() - started
+            return server
+
+    def port_was_taken(self) -> bool:
+        """Whether the server's log says its port was in use when it bound it (uvicorn's and Python's words)."""
+        return re.search(r"address already in use", self.log_text(), re.I) is not None
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
